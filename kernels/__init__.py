@@ -1,0 +1,1 @@
+"""Triton kernels, one public op per module, and `kernels.reference` (fp32 torch oracles)."""

@@ -1,0 +1,24 @@
+"""openmla layer level: dimensions, plans, impl classes, the vLLM adapter.
+
+Dimension glossary (DESIGN.md; every module uses these names):
+
+    T           query tokens in a batch (decode: one per request, or several with
+                speculative decoding; prefill: all new tokens)
+    H           query heads, any 1..128, never padded
+    D_QK  576   absorbed query/key width = KV_LORA_RANK (latent, "nope") + ROPE_DIM
+    D_V   512   value width = KV_LORA_RANK (the latent is also the value)
+    KV_LORA_RANK 512, ROPE_DIM 64
+    topk        indices per query token, any positive count
+    block_size  cache page size in tokens, any positive (vLLM uses 64 for MLA)
+    slot        global cache position: block * block_size + offset
+"""
+
+from quant.mla_formats import FP8_DS_MLA as _FMT
+
+# The numbers are the format's (quant/ owns byte layouts); this is where the layer names them.
+KV_LORA_RANK = _FMT.latent_dim
+ROPE_DIM = _FMT.rope_dim
+D_QK = KV_LORA_RANK + ROPE_DIM
+D_V = KV_LORA_RANK
+
+__all__ = ["KV_LORA_RANK", "ROPE_DIM", "D_QK", "D_V"]

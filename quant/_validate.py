@@ -1,0 +1,60 @@
+"""The one validation helper used at every public boundary (STYLE.md 5)."""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+
+def fail(name: str, want, got) -> None:
+    raise ValueError(f"{name}: expected {want}, got {got}")
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtype: Optional[torch.dtype | Iterable[torch.dtype]] = None,
+    ndim: Optional[int] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    device: Optional[torch.device] = None,
+    contiguous: bool = False,
+    last_dim_contiguous: bool = False,
+) -> torch.Tensor:
+    """Validate one tensor argument; raise ValueError naming it, the expected and the actual value.
+
+    `shape` entries that are None match any size. Returns the tensor for chaining.
+    """
+    if not isinstance(t, torch.Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            want = allowed[0] if len(allowed) == 1 else " or ".join(str(d) for d in allowed)
+            fail(f"{name}.dtype", want, t.dtype)
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        fail(f"{name}.dim()", ndim, f"{t.dim()} (shape {tuple(t.shape)})")
+    if shape is not None:
+        for want, got in zip(shape, t.shape):
+            if want is not None and want != got:
+                pretty = tuple("*" if s is None else s for s in shape)
+                fail(f"{name}.shape", pretty, tuple(t.shape))
+    if device is not None and t.device != torch.device(device):
+        fail(f"{name}.device", torch.device(device), t.device)
+    if contiguous and not t.is_contiguous():
+        fail(name, "a contiguous tensor", f"strides {t.stride()} for shape {tuple(t.shape)}")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        fail(f"{name}.stride(-1)", 1, t.stride(-1))
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """All given tensors (None skipped) live on one device; returns it."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for n, t in items[1:]:
+        if t.device != first.device:
+            fail(f"{n}.device", f"{first.device} (the device of {first_name})", t.device)
+    return first.device
