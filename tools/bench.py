@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""Benchmarks: a registry of ops and named shape sets (STYLE.md 14).
+
+For every case: build random inputs (never zeros), check the op against the fp32 oracle on a
+slice of the tokens, then time the op and a torch reference (gather + matmul in bf16) with
+`triton.testing.do_bench` (median), and report bytes/s and FLOP/s against the copy bandwidth and
+bf16 matmul rate measured in the same run.
+
+    PYTHONPATH=. python3 tools/bench.py --op sparse_mla_decode --shapes standard --out decode.json
+    PYTHONPATH=. python3 tools/bench.py --op all --compare old.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import reference  # noqa: E402
+from quant import BF16_MLA, FP8_DS_MLA  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------
+# Cases and the registry
+@dataclass
+class Case:
+    """One timed configuration. `params` are the op's shape parameters (JSON-able)."""
+
+    op: str
+    name: str
+    params: dict
+    flops: float = 0.0
+    bytes: float = 0.0
+    # filled by the run
+    ms: float = float("nan")
+    ref_ms: float = float("nan")
+    rel_err: float = float("nan")
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Op:
+    """A benchmarked op: how to build a case's inputs, run it, run the torch reference, check it."""
+
+    name: str
+    shape_sets: dict  # set name -> list of params dicts
+    build: Callable  # params, device -> inputs dict
+    run: Callable  # inputs -> output tensor (the one checked)
+    torch_ref: Callable  # inputs -> output tensor (bf16 gather + matmul)
+    oracle: Callable  # inputs, token slice -> fp32 output for those tokens
+    count: Callable  # params -> (flops, bytes)
+    label: Callable  # params -> case name
+
+
+REGISTRY: dict[str, Op] = {}
+
+
+def register(op: Op) -> Op:
+    REGISTRY[op.name] = op
+    return op
+
+
+def random_topk_indices(tokens: int, slots: int, topk: int, device) -> torch.Tensor:
+    """[tokens, topk] int32 distinct slots per token, uniformly random over all slots."""
+    out = torch.empty(tokens, topk, dtype=torch.int32, device=device)
+    step = max(1, (1 << 27) // slots)  # keep the random matrix under ~512 MB
+    for t0 in range(0, tokens, step):
+        t1 = min(tokens, t0 + step)
+        out[t0:t1] = torch.rand(t1 - t0, slots, device=device).topk(topk, dim=-1).indices.to(torch.int32)
+    return out
+
+
+def torch_sparse_attention(q: torch.Tensor, gather: Callable, num_rows: int, indices: torch.Tensor,
+                           scale: float, chunk: int = 256) -> torch.Tensor:
+    """The torch reference baseline: gather rows, bf16 matmuls, fp32 softmax, chunked over tokens.
+
+    gather(idx [t, topk] int64, clamped valid) -> [t, topk, 576] bf16 rows."""
+    out = torch.empty(q.shape[0], q.shape[1], 512, dtype=q.dtype, device=q.device)
+    for t0 in range(0, q.shape[0], chunk):
+        idx = indices[t0:t0 + chunk].long()
+        kv = gather(idx.clamp(0, num_rows - 1))  # [t, topk, 576]
+        s = torch.matmul(q[t0:t0 + chunk], kv.transpose(1, 2)).float() * scale  # [t, H, topk]
+        s.masked_fill_(((idx < 0) | (idx >= num_rows))[:, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).to(q.dtype)
+        out[t0:t0 + chunk] = torch.matmul(p, kv[..., :512])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# sparse MLA decode
+def _decode_build(p, device):
+    fmt = FP8_DS_MLA if p["cache"] == "fp8" else BF16_MLA
+    slots, bs = p["slots"], p["block_size"]
+    nb = slots // bs
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(p["tokens"], p["heads"], 576, device=device, generator=g).bfloat16()
+    cache = torch.empty(nb, bs, fmt.row_width, dtype=fmt.cache_dtype, device=device)
+    for b0 in range(0, nb, 1024):  # pack in pieces to bound temporary memory
+        b1 = min(nb, b0 + 1024)
+        kv_c = torch.randn(b1 - b0, bs, 512, device=device, generator=g).bfloat16()
+        k_pe = torch.randn(b1 - b0, bs, 64, device=device, generator=g).bfloat16()
+        cache[b0:b1] = fmt.pack(kv_c, k_pe)
+    indices = random_topk_indices(p["tokens"], slots, p["topk"], device)
+    return {"q": q, "cache": cache, "indices": indices, "scale": 576 ** -0.5, "fmt": fmt}
+
+
+def _decode_run(x):
+    from kernels.sparse_mla_decode import sparse_mla_decode
+    return sparse_mla_decode(x["q"], x["cache"], x["indices"], scale=x["scale"])[0]
+
+
+def _decode_torch(x):
+    fmt, cache = x["fmt"], x["cache"]
+    flat = cache.reshape(-1, cache.shape[-1])
+    # gather the 656-byte (or bf16) rows, then dequantize only what was gathered
+    return torch_sparse_attention(x["q"], lambda idx: fmt.unpack(flat[idx]).to(torch.bfloat16),
+                                  flat.shape[0], x["indices"], x["scale"])
+
+
+def _decode_oracle(x, sl):
+    return reference.sparse_mla_decode_ref(x["q"][sl], x["cache"], x["indices"][sl], scale=x["scale"])[0]
+
+
+def _decode_count(p):
+    t, h, k = p["tokens"], p["heads"], p["topk"]
+    row_bytes = 656 if p["cache"] == "fp8" else 1152
+    return 2.0 * t * h * k * (576 + 512), float(t * k * row_bytes)
+
+
+_DECODE_STANDARD = [
+    dict(cache=c, tokens=t, heads=h, topk=2048, slots=262144, block_size=64)
+    for c in ("fp8", "bf16") for t in (128, 32) for h in (16, 32, 64, 128)
+]
+register(Op(
+    name="sparse_mla_decode",
+    shape_sets={
+        "standard": _DECODE_STANDARD,
+        "fp8": [p for p in _DECODE_STANDARD if p["cache"] == "fp8"],
+        "small": [dict(cache="fp8", tokens=4, heads=16, topk=128, slots=4096, block_size=64)],
+    },
+    build=_decode_build, run=_decode_run, torch_ref=_decode_torch, oracle=_decode_oracle,
+    count=_decode_count,
+    label=lambda p: f"{p['cache']}-T{p['tokens']}-H{p['heads']}-topk{p['topk']}",
+))
+
+
+# --------------------------------------------------------------------------------------------
+# sparse MLA prefill
+def _prefill_build(p, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(p["tokens"], p["heads"], 576, device=device, generator=g).bfloat16()
+    kv = torch.randn(p["kv_rows"], 576, device=device, generator=g).bfloat16()
+    indices = random_topk_indices(p["tokens"], p["kv_rows"], p["topk"], device)
+    return {"q": q, "kv": kv, "indices": indices, "scale": 576 ** -0.5}
+
+
+def _prefill_run(x):
+    from kernels.sparse_mla_prefill import sparse_mla_prefill
+    return sparse_mla_prefill(x["q"], x["kv"], x["indices"], scale=x["scale"])[0]
+
+
+def _prefill_torch(x):
+    kv = x["kv"]
+    return torch_sparse_attention(x["q"], lambda idx: kv[idx], kv.shape[0], x["indices"], x["scale"])
+
+
+def _prefill_oracle(x, sl):
+    return reference.sparse_mla_ref(x["q"][sl], x["kv"], x["indices"][sl], scale=x["scale"])[0]
+
+
+def _prefill_count(p):
+    t, h, k = p["tokens"], p["heads"], p["topk"]
+    return 2.0 * t * h * k * (576 + 512), float(t * k * 1152)
+
+
+register(Op(
+    name="sparse_mla_prefill",
+    shape_sets={
+        "standard": [dict(tokens=4096, heads=h, topk=2048, kv_rows=32768) for h in (16, 32, 64, 128)],
+        "small": [dict(tokens=8, heads=16, topk=128, kv_rows=1024)],
+    },
+    build=_prefill_build, run=_prefill_run, torch_ref=_prefill_torch, oracle=_prefill_oracle,
+    count=_prefill_count,
+    label=lambda p: f"T{p['tokens']}-H{p['heads']}-topk{p['topk']}",
+))
+
+
+# --------------------------------------------------------------------------------------------
+# Ceilings measured in the same run, and the timing loop
+def measure_ceilings(device) -> dict:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s, on random data."""
+    from triton.testing import do_bench
+    n = 1 << 29  # 1 GiB of bf16 per buffer: several times the L2
+    a = torch.randn(n, device=device, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), quantiles=[0.5])
+    copy_bps = 2 * a.numel() * a.element_size() / (ms * 1e-3)
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    ms = do_bench(lambda: x @ y, quantiles=[0.5])
+    return {"copy_bytes_per_s": copy_bps, "bf16_matmul_flops": 2 * m**3 / (ms * 1e-3)}
+
+
+def run_case(op: Op, params: dict, device, check_tokens: int = 8, skip_ref: bool = False) -> Case:
+    from triton.testing import do_bench
+    flops, nbytes = op.count(params)
+    case = Case(op=op.name, name=op.label(params), params=params, flops=flops, bytes=nbytes)
+    x = op.build(params, device)
+    got = op.run(x)
+    sl = slice(0, min(check_tokens, got.shape[0]))
+    want = op.oracle(x, sl).to(got.device)
+    case.rel_err = float((got[sl].double() - want.double()).norm() / want.double().norm())
+    if not math.isfinite(case.rel_err) or case.rel_err > 2e-2:
+        raise RuntimeError(f"{op.name} {case.name}: relative L2 error {case.rel_err:.3g} against the "
+                           f"fp32 oracle; refusing to time a wrong result")
+    case.ms = do_bench(lambda: op.run(x), quantiles=[0.5])
+    if not skip_ref:
+        case.ref_ms = do_bench(lambda: op.torch_ref(x), quantiles=[0.5])
+    del x
+    torch.cuda.empty_cache()
+    return case
+
+
+def git_revision() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:  # not a git checkout (e.g. a copied tree on the GPU machine)
+        return os.environ.get("OPENMLA_REV", "unknown")
+
+
+def table(cases: list[Case], ceil: dict) -> str:
+    lines = ["| op | case | ms | torch ref ms | speedup vs ref | GB/s | % copy BW | TFLOP/s | % matmul | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        bps = c.bytes / (c.ms * 1e-3)
+        fps = c.flops / (c.ms * 1e-3)
+        lines.append(
+            f"| {c.op} | {c.name} | {c.ms:.4f} | {c.ref_ms:.4f} | {c.ref_ms / c.ms:.1f}x | {bps / 1e9:.0f} | "
+            f"{100 * bps / ceil['copy_bytes_per_s']:.0f}% | {fps / 1e12:.1f} | "
+            f"{100 * fps / ceil['bf16_matmul_flops']:.0f}% | {c.rel_err:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--op", default="all", help=f"one of {sorted(REGISTRY)} or 'all'")
+    ap.add_argument("--shapes", default="standard", help="shape set name (standard, small, ...)")
+    ap.add_argument("--heads", type=int, nargs="*", help="only these head counts")
+    ap.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
+    ap.add_argument("--out", help="write JSON here")
+    ap.add_argument("--compare", help="a previous JSON: print time ratios old/new")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.py times kernels on a GPU; none is visible here", file=sys.stderr)
+        return 2
+    names = sorted(REGISTRY) if args.op == "all" else [args.op]
+    for n in names:
+        if n not in REGISTRY:
+            ap.error(f"--op: expected one of {sorted(REGISTRY)} or 'all', got {n!r}")
+    device = torch.device("cuda")
+    import triton
+    ceil = measure_ceilings(device)
+    print(f"# {torch.cuda.get_device_name()} | copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s | "
+          f"bf16 matmul {ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    cases = []
+    for n in names:
+        op = REGISTRY[n]
+        if args.shapes not in op.shape_sets:
+            ap.error(f"--shapes: {n} has {sorted(op.shape_sets)}, got {args.shapes!r}")
+        for p in op.shape_sets[args.shapes]:
+            if args.heads and p.get("heads") not in args.heads:
+                continue
+            c = run_case(op, p, device, skip_ref=args.no_ref)
+            print(f"  {c.op} {c.name}: {c.ms:.4f} ms (torch ref {c.ref_ms:.4f} ms), rel err {c.rel_err:.1e}",
+                  flush=True)
+            cases.append(c)
+    print(table(cases, ceil))
+    result = {
+        "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__, "triton": triton.__version__, "git": git_revision(),
+        "command": " ".join(["tools/bench.py"] + (argv if argv is not None else sys.argv[1:])),
+        "ceilings": ceil, "cases": [asdict(c) for c in cases],
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.compare:
+        with open(args.compare) as f:
+            old = {(c["op"], c["name"]): c for c in json.load(f)["cases"]}
+        print("\n| op | case | old ms | new ms | old/new |\n|---|---|---|---|---|")
+        for c in cases:
+            o = old.get((c.op, c.name))
+            if o:
+                print(f"| {c.op} | {c.name} | {o['ms']:.4f} | {c.ms:.4f} | {o['ms'] / c.ms:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
