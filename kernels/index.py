@@ -1,0 +1,128 @@
+"""Per-request token indices -> global cache slots (or prefill-workspace rows) for sparse MLA.
+
+The indexer of a DeepSeek-V3.2 layer picks, for each query token, top-k positions *within its
+request*. The decode kernel wants global slots of the paged cache; the prefill kernel wants rows
+of the bf16 workspace that a chunk of prefill requests was gathered into. This op does both in one
+pass over the indices, any topk, no host sync.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from quant._validate import check_same_device, check_tensor, fail
+
+_INT32_MAX = 2**31 - 1
+
+
+@triton.jit
+def convert_req_index_to_global_kernel(
+    req_id_ptr, block_table_ptr, tok_ptr, out_ptr, count_ptr, ws_rid_ptr, ws_start_ptr,
+    K, M, R, R_WS, block_size,
+    stride_bt, stride_tok, stride_out,
+    BLOCK_K: tl.constexpr, HAS_WS: tl.constexpr, COUNT: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    req = tl.load(req_id_ptr + i_t).to(tl.int64)
+    req_ok = (req >= 0) & (req < R)
+    if HAS_WS:
+        rid = tl.load(ws_rid_ptr + i_t).to(tl.int64)
+        is_pf = rid >= 0
+        # A workspace request id past `starts` has no rows: every index of that token is invalid.
+        pf_ok = is_pf & (rid < R_WS)
+        ws_start = tl.load(ws_start_ptr + rid, mask=pf_ok, other=0).to(tl.int64)
+    o_k = tl.arange(0, BLOCK_K)
+    count = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        m_k = (k0 + o_k) < K
+        idx = tl.load(tok_ptr + i_t * stride_tok + k0 + o_k, mask=m_k, other=-1).to(tl.int64)
+        pos = idx >= 0
+        blk = tl.where(pos, idx // block_size, 0)
+        m_blk = m_k & pos & (blk < M) & req_ok
+        entry = tl.load(block_table_ptr + req * stride_bt + blk, mask=m_blk, other=-1).to(tl.int64)
+        slot = entry * block_size + (idx - blk * block_size)
+        valid = m_blk & (entry >= 0) & (slot <= 2147483647)
+        if HAS_WS:
+            row = ws_start + idx
+            pf_valid = m_k & pos & pf_ok & (row <= 2147483647)
+            slot = tl.where(is_pf, row, slot)
+            valid = tl.where(is_pf, pf_valid, valid)
+        res = tl.where(valid, slot, -1).to(tl.int32)
+        tl.store(out_ptr + i_t * stride_out + k0 + o_k, res, mask=m_k)
+        count += valid.to(tl.int32)
+    if COUNT:
+        tl.store(count_ptr + i_t, tl.sum(count, axis=0))
+
+
+def _launch(req_id, block_table, token_indices, block_size, ws_rid, ws_start, out, counts):
+    T, K = token_indices.shape
+    block_k = min(1024, triton.next_power_of_2(max(K, 16)))
+    dummy = out  # never dereferenced when the matching constexpr flag is off
+    convert_req_index_to_global_kernel[(T,)](
+        req_id, block_table, token_indices, out,
+        counts if counts is not None else dummy,
+        ws_rid if ws_rid is not None else dummy,
+        ws_start if ws_start is not None else dummy,
+        K, block_table.shape[1], block_table.shape[0],
+        ws_start.shape[0] if ws_start is not None else 0, block_size,
+        block_table.stride(0), token_indices.stride(0), out.stride(0),
+        BLOCK_K=block_k, HAS_WS=ws_rid is not None, COUNT=counts is not None,
+    )
+
+
+def convert_req_index_to_global(
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    token_indices: torch.Tensor,
+    block_size: int,
+    *,
+    workspace: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    return_valid_counts: bool = False,
+):
+    """Convert per-request token indices to global cache slots (DESIGN.md, Index conversion).
+
+    Args:
+        req_id: [T] int32, the request row of `block_table` each query token belongs to.
+        block_table: [R, M] int32, physical block of each request's logical block; < 0 = unmapped.
+        token_indices: [T, K] int32, positions within the token's request; any K >= 1.
+        block_size: cache page size in tokens (> 0).
+        workspace: optional (request_ids [T] int32, starts [R_prefill] int32) for a prefill chunk:
+            tokens with request_ids[t] >= 0 map to workspace rows `starts[request_ids[t]] + idx`
+            instead of cache slots; request_ids[t] = -1 marks a decode token (block table path).
+        return_valid_counts: also return the number of valid outputs per token.
+
+    Returns:
+        out: [T, K] int32. -1 where idx < 0, idx // block_size >= M, the block table entry is < 0,
+            req_id is outside [0, R), or the result would not fit int32; otherwise
+            block_table[req_id, idx // block_size] * block_size + idx % block_size (or the workspace row).
+        counts: [T] int32 valid outputs per token, when return_valid_counts.
+    """
+    check_tensor("req_id", req_id, dtype=torch.int32, ndim=1)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
+    check_tensor("token_indices", token_indices, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
+    T, K = token_indices.shape
+    if req_id.shape[0] != T:
+        fail("req_id.shape", f"({T},) to match token_indices.shape[0]", tuple(req_id.shape))
+    if K < 1:
+        fail("token_indices.shape[1]", ">= 1", K)
+    if not isinstance(block_size, int) or block_size < 1:
+        fail("block_size", "a positive int", block_size)
+    ws_rid = ws_start = None
+    if workspace is not None:
+        if not (isinstance(workspace, (tuple, list)) and len(workspace) == 2):
+            fail("workspace", "a (request_ids, starts) pair", type(workspace).__name__)
+        ws_rid, ws_start = workspace
+        check_tensor("workspace.request_ids", ws_rid, dtype=torch.int32, shape=(T,))
+        check_tensor("workspace.starts", ws_start, dtype=torch.int32, ndim=1, contiguous=True)
+    check_same_device(token_indices=token_indices, req_id=req_id, block_table=block_table,
+                      **{"workspace.request_ids": ws_rid, "workspace.starts": ws_start})
+    req_id = req_id.contiguous()
+    out = torch.empty(T, K, dtype=torch.int32, device=token_indices.device)
+    counts = torch.empty(T, dtype=torch.int32, device=out.device) if return_valid_counts else None
+    if T > 0:
+        _launch(req_id, block_table, token_indices, block_size,
+                None if ws_rid is None else ws_rid.contiguous(), ws_start, out, counts)
+    return (out, counts) if return_valid_counts else out

@@ -1,0 +1,112 @@
+"""convert_req_index_to_global against a plain Python loop (atol 0)."""
+import pytest
+import torch
+
+from kernels.index import convert_req_index_to_global
+from tests.helpers import DEVICE, INT32_MAX, INT32_MIN
+
+
+def loop_convert(req_id, block_table, tok, bs, workspace=None):
+    """DESIGN.md's rule, one element at a time."""
+    T, K = tok.shape
+    R, M = block_table.shape
+    out = torch.full((T, K), -1, dtype=torch.int32)
+    for t in range(T):
+        for k in range(K):
+            idx = int(tok[t, k])
+            if workspace is not None and int(workspace[0][t]) >= 0:
+                rid = int(workspace[0][t])
+                if idx >= 0 and rid < workspace[1].numel():
+                    row = int(workspace[1][rid]) + idx
+                    out[t, k] = row if row <= INT32_MAX else -1
+                continue
+            r = int(req_id[t])
+            if idx < 0 or not (0 <= r < R) or idx // bs >= M:
+                continue
+            e = int(block_table[r, idx // bs])
+            if e < 0:
+                continue
+            slot = e * bs + idx % bs
+            out[t, k] = slot if slot <= INT32_MAX else -1
+    return out
+
+
+def make_case(T, K, R, M, bs, seed, *, ws_tokens=0, poison=True):
+    g = torch.Generator().manual_seed(seed)
+    block_table = torch.randperm(R * M + 7, generator=g)[: R * M].view(R, M).to(torch.int32)
+    if poison and R * M > 2:
+        block_table.view(-1)[torch.randperm(R * M, generator=g)[: max(1, R * M // 5)]] = -1
+    req_id = torch.randint(0, R, (T,), generator=g, dtype=torch.int32)
+    tok = torch.randint(-3, M * bs + bs, (T, K), generator=g, dtype=torch.int32)
+    if poison:  # every kind of invalid index somewhere
+        bad = torch.tensor([INT32_MIN, -123456, -1, M * bs, INT32_MAX], dtype=torch.int32)
+        pos = torch.randint(0, T * K, (bad.numel(),), generator=g)
+        tok.view(-1)[pos] = bad
+    workspace = None
+    if ws_tokens:
+        rid = torch.full((T,), -1, dtype=torch.int32)
+        rid[T - ws_tokens:] = torch.randint(0, 3, (ws_tokens,), generator=g, dtype=torch.int32)
+        starts = torch.tensor([0, 100, 5000], dtype=torch.int32)
+        workspace = (rid, starts)
+    return req_id, block_table, tok, workspace
+
+
+CASES = [
+    # regular
+    pytest.param(4, 64, 2, 4, 64, 0, id="decode-T4-K64-bs64"),
+    pytest.param(3, 1, 2, 3, 16, 0, id="decode-K1"),
+    pytest.param(5, 300, 3, 5, 61, 0, id="decode-K300-bs61"),
+    pytest.param(2, 2048, 2, 40, 64, 0, id="decode-K2048"),
+    pytest.param(6, 37, 4, 9, 1, 0, id="decode-bs1"),
+    # prefill workspace and mixed batches
+    pytest.param(6, 50, 3, 4, 16, 6, id="prefill-only"),
+    pytest.param(8, 129, 3, 4, 16, 5, id="mixed-3dec-5pf"),
+]
+
+
+@pytest.mark.parametrize("T, K, R, M, bs, ws_tokens", CASES)
+def test_matches_loop(T, K, R, M, bs, ws_tokens):
+    req_id, bt, tok, ws = make_case(T, K, R, M, bs, seed=T * 1000 + K, ws_tokens=ws_tokens)
+    want = loop_convert(req_id, bt, tok, bs, ws)
+    dev = lambda x: x.to(DEVICE)
+    got, counts = convert_req_index_to_global(
+        dev(req_id), dev(bt), dev(tok), bs,
+        workspace=None if ws is None else (dev(ws[0]), dev(ws[1])), return_valid_counts=True)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(counts.cpu(), (want >= 0).sum(1).to(torch.int32))
+
+
+def test_corner_cases():
+    # request id out of range, workspace request id past starts, slot past int32, strided token_indices
+    bt = torch.tensor([[0, 2**30], [5, -1]], dtype=torch.int32)
+    req_id = torch.tensor([0, 7, -1, 1], dtype=torch.int32)
+    wide = torch.randint(0, 8, (4, 10), dtype=torch.int32)
+    tok = wide[:, ::1][:, :6]  # rows strided by 10
+    tok[0, :3] = torch.tensor([1, 4, 5], dtype=torch.int32)  # blk 1 -> 2**30 * 4 + r overflows int32
+    rid = torch.tensor([-1, -1, -1, 9], dtype=torch.int32)
+    starts = torch.tensor([3], dtype=torch.int32)
+    want = loop_convert(req_id, bt, tok, 4, (rid, starts))
+    assert int(want[0, 1]) == -1 and int(want[0, 0]) == 1
+    got = convert_req_index_to_global(req_id.to(DEVICE), bt.to(DEVICE), tok.to(DEVICE), 4,
+                                      workspace=(rid.to(DEVICE), starts.to(DEVICE)))
+    assert torch.equal(got.cpu(), want)
+    assert (got[1:] == -1).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    pytest.param(dict(req_id=torch.zeros(5, dtype=torch.int32)), r"req_id.shape: expected \(4,\)", id="req_id-longer"),
+    pytest.param(dict(req_id=torch.zeros(4, dtype=torch.int64)), r"req_id.dtype: expected torch.int32", id="req_id-dtype"),
+    pytest.param(dict(token_indices=torch.zeros(4, 3, dtype=torch.int64)), "token_indices.dtype", id="tok-dtype"),
+    pytest.param(dict(block_table=torch.zeros(3, dtype=torch.int32)), r"block_table.dim\(\)", id="bt-1d"),
+    pytest.param(dict(block_size=0), "block_size: expected a positive int", id="bs0"),
+    pytest.param(dict(workspace=(torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))),
+                 r"workspace.request_ids.shape", id="ws-rid-shape"),
+])
+def test_bad_input_raises(kwargs, match):
+    args = dict(req_id=torch.zeros(4, dtype=torch.int32), block_table=torch.zeros(2, 3, dtype=torch.int32),
+                token_indices=torch.zeros(4, 3, dtype=torch.int32), block_size=16)
+    args.update(kwargs)
+    ws = args.pop("workspace", None)
+    with pytest.raises(ValueError, match=match):
+        convert_req_index_to_global(args["req_id"], args["block_table"], args["token_indices"],
+                                    args["block_size"], workspace=ws)
