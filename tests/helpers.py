@@ -14,7 +14,7 @@ INT32_MAX = 2**31 - 1
 # name -> (atol, rtol, max cosine distance). An element passes if abs err <= atol OR
 # rel err <= rtol (the issues' "abs err <= a or rel err <= r elementwise").
 TOLERANCES = {
-    "exact": (0.0, 0.0, 0.0),
+    "exact": (0.0, 0.0, 1e-12),  # cosine of identical tensors rounds to ~2e-16
     "fp32": (1e-5, 1e-5, 1e-7),
     "lse": (1e-5, 0.0, 1e-7),
     "sparse_decode": (1e-3, 2 / 128, 1e-5),
