@@ -26,6 +26,7 @@ __all__ = [
     "paged_attention_ref",
     "attention_varlen_ref",
     "merge_attn_states_ref",
+    "convert_req_index_ref",
 ]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -386,3 +387,36 @@ def merge_attn_states_ref(a_out, a_lse, b_out, b_lse):
     out = (torch.where(a_empty.unsqueeze(-1), 0.0, wa * a_out.double())
            + torch.where(b_empty.unsqueeze(-1), 0.0, wb * b_out.double()))
     return out.float(), lse.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Index conversion
+# ---------------------------------------------------------------------------------------------
+
+def convert_req_index_ref(req_id, block_table, token_indices, block_size, *, workspace=None):
+    """Per-request token index -> global slot (DESIGN.md, Index conversion), vectorized torch.
+
+    req_id [T], block_table [R, M], token_indices [T, K], block_size > 0; workspace optional
+    (request_ids [T], -1 for decode tokens; starts [R_prefill]). Returns int32 [T, K]:
+    -1 where idx < 0, idx // block_size >= M, req_id outside [0, R), the block table entry < 0,
+    or the result exceeds int32; else block_table[req, idx // bs] * bs + idx % bs, or for a token
+    with request_ids[t] >= 0: starts[request_ids[t]] + idx (-1 if idx < 0 or the id >= R_prefill).
+    """
+    idx = token_indices.long()
+    R, M = block_table.shape
+    req = req_id.long()[:, None].expand_as(idx)
+    blk = torch.where(idx >= 0, idx // block_size, 0)
+    ok = (idx >= 0) & (blk < M) & (req >= 0) & (req < R)
+    entry = block_table.long()[req.clamp(0, max(R - 1, 0)), blk.clamp(0, max(M - 1, 0))] if R * M else \
+        torch.full_like(idx, -1)
+    slot = entry * block_size + idx % block_size
+    ok &= (entry >= 0) & (slot <= 2**31 - 1)
+    out = torch.where(ok, slot, -1)
+    if workspace is not None:
+        rid, starts = workspace[0].long()[:, None].expand_as(idx), workspace[1].long()
+        pf = rid >= 0
+        has = pf & (rid < starts.numel())
+        row = (starts[rid.clamp(0, max(starts.numel() - 1, 0))] if starts.numel() else torch.zeros_like(idx)) + idx
+        pf_out = torch.where(has & (idx >= 0) & (row <= 2**31 - 1), row, -1)
+        out = torch.where(pf, pf_out, out)
+    return out.to(torch.int32)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kernels.index import convert_req_index_to_global
+from kernels.reference import convert_req_index_ref
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN
 
 
@@ -68,6 +69,7 @@ CASES = [
 def test_matches_loop(T, K, R, M, bs, ws_tokens):
     req_id, bt, tok, ws = make_case(T, K, R, M, bs, seed=T * 1000 + K, ws_tokens=ws_tokens)
     want = loop_convert(req_id, bt, tok, bs, ws)
+    assert torch.equal(convert_req_index_ref(req_id, bt, tok, bs, workspace=ws), want)  # oracle == loop
     dev = lambda x: x.to(DEVICE)
     got, counts = convert_req_index_to_global(
         dev(req_id), dev(bt), dev(tok), bs,
@@ -87,6 +89,7 @@ def test_corner_cases():
     starts = torch.tensor([3], dtype=torch.int32)
     want = loop_convert(req_id, bt, tok, 4, (rid, starts))
     assert int(want[0, 1]) == -1 and int(want[0, 0]) == 1
+    assert torch.equal(convert_req_index_ref(req_id, bt, tok, 4, workspace=(rid, starts)), want)
     got = convert_req_index_to_global(req_id.to(DEVICE), bt.to(DEVICE), tok.to(DEVICE), 4,
                                       workspace=(rid.to(DEVICE), starts.to(DEVICE)))
     assert torch.equal(got.cpu(), want)
