@@ -39,7 +39,8 @@ def check_tensor(
     if shape is not None:
         for want, got in zip(shape, t.shape):
             if want is not None and want != got:
-                pretty = tuple("*" if s is None else s for s in shape)
+                parts = ["*" if s is None else str(s) for s in shape]
+                pretty = "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
                 fail(f"{name}.shape", pretty, tuple(t.shape))
     if device is not None and t.device != torch.device(device):
         fail(f"{name}.device", torch.device(device), t.device)

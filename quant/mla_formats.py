@@ -78,7 +78,10 @@ class FP8DSMLAFormat:
 
     def scales(self, amax: torch.Tensor) -> torch.Tensor:
         """Per-tile scale from the tile's fp32 abs-max, by this format's rule (fp32 out)."""
-        s = amax.float() / FP8_E4M3_MAX
+        amax = amax.float()
+        # Divide by a tensor: torch on CUDA turns `tensor / python_float` into a multiply by the
+        # rounded reciprocal, one ulp off the true quotient for about half of all amax values.
+        s = amax / torch.full_like(amax, FP8_E4M3_MAX)
         if self.scale_rule == "pow2":
             # Same expression as FlashMLA's reference quantizer, so packs are byte-identical
             # (including its fp32 log2 rounding just above powers of two).
