@@ -56,7 +56,7 @@ class Op:
     build: Callable  # params, device -> inputs dict
     run: Callable  # inputs -> output tensor (the one checked)
     torch_ref: Callable  # inputs -> output tensor (bf16 gather + matmul)
-    oracle: Callable  # inputs, token slice -> fp32 output for those tokens
+    error: Callable  # inputs, op output -> relative error against the oracle (0 = exact)
     count: Callable  # params -> (flops, bytes)
     label: Callable  # params -> case name
 
@@ -126,8 +126,17 @@ def _decode_torch(x):
                                   flat.shape[0], x["indices"], x["scale"])
 
 
-def _decode_oracle(x, sl):
-    return reference.sparse_mla_decode_ref(x["q"][sl], x["cache"], x["indices"][sl], scale=x["scale"])[0]
+CHECK_TOKENS = 8  # the oracle runs in float64: check a slice of the tokens, time them all
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def _decode_error(x, out):
+    sl = slice(0, CHECK_TOKENS)
+    want = reference.sparse_mla_decode_ref(x["q"][sl], x["cache"], x["indices"][sl], scale=x["scale"])[0]
+    return rel_l2(out[sl], want)
 
 
 def _decode_count(p):
@@ -147,7 +156,7 @@ register(Op(
         "fp8": [p for p in _DECODE_STANDARD if p["cache"] == "fp8"],
         "small": [dict(cache="fp8", tokens=4, heads=16, topk=128, slots=4096, block_size=64)],
     },
-    build=_decode_build, run=_decode_run, torch_ref=_decode_torch, oracle=_decode_oracle,
+    build=_decode_build, run=_decode_run, torch_ref=_decode_torch, error=_decode_error,
     count=_decode_count,
     label=lambda p: f"{p['cache']}-T{p['tokens']}-H{p['heads']}-topk{p['topk']}",
 ))
@@ -173,8 +182,9 @@ def _prefill_torch(x):
     return torch_sparse_attention(x["q"], lambda idx: kv[idx], kv.shape[0], x["indices"], x["scale"])
 
 
-def _prefill_oracle(x, sl):
-    return reference.sparse_mla_ref(x["q"][sl], x["kv"], x["indices"][sl], scale=x["scale"])[0]
+def _prefill_error(x, out):
+    sl = slice(0, CHECK_TOKENS)
+    return rel_l2(out[sl], reference.sparse_mla_ref(x["q"][sl], x["kv"], x["indices"][sl], scale=x["scale"])[0])
 
 
 def _prefill_count(p):
@@ -188,9 +198,102 @@ register(Op(
         "standard": [dict(tokens=4096, heads=h, topk=2048, kv_rows=32768) for h in (16, 32, 64, 128)],
         "small": [dict(tokens=8, heads=16, topk=128, kv_rows=1024)],
     },
-    build=_prefill_build, run=_prefill_run, torch_ref=_prefill_torch, oracle=_prefill_oracle,
+    build=_prefill_build, run=_prefill_run, torch_ref=_prefill_torch, error=_prefill_error,
     count=_prefill_count,
     label=lambda p: f"T{p['tokens']}-H{p['heads']}-topk{p['topk']}",
+))
+
+
+# --------------------------------------------------------------------------------------------
+# MLA cache writer and gather (quant/): bytes must equal the torch packer's exactly
+def _write_build(p, device):
+    fmt = FP8_DS_MLA if p["cache"] == "fp8" else BF16_MLA
+    nb = p["slots"] // p["block_size"]
+    g = torch.Generator(device=device).manual_seed(0)
+    cache = torch.empty(nb, p["block_size"], fmt.row_width, dtype=fmt.cache_dtype, device=device)
+    return {"kv_c": torch.randn(p["tokens"], 512, device=device, generator=g).bfloat16(),
+            "k_pe": torch.randn(p["tokens"], 64, device=device, generator=g).bfloat16(),
+            "slots": torch.randperm(p["slots"], device=device)[:p["tokens"]].to(torch.int32),
+            "cache": cache, "fmt": fmt}
+
+
+def _write_run(x):
+    from quant.mla_writer import write_mla_cache
+    write_mla_cache(x["kv_c"], x["k_pe"], x["cache"], x["slots"], check_slots=False)
+    return x["cache"]
+
+
+def _write_torch(x):  # pack, then scatter the rows
+    flat = x["cache"].view(-1, x["cache"].shape[-1])
+    flat.index_copy_(0, x["slots"].long(), x["fmt"].pack(x["kv_c"], x["k_pe"]))
+    return x["cache"]
+
+
+def _write_error(x, cache):
+    rows = cache.view(-1, cache.shape[-1])[x["slots"].long()]
+    want = x["fmt"].pack(x["kv_c"], x["k_pe"])
+    return float((rows.view(torch.uint8) != want.view(torch.uint8)).any())  # 0 = byte-identical
+
+
+def _write_count(p):
+    row = 656 if p["cache"] == "fp8" else 1152
+    return 0.0, float(p["tokens"] * (1152 + row))  # read bf16 latent + rope, write the row
+
+
+register(Op(
+    name="write_mla_cache",
+    shape_sets={"standard": [dict(cache=c, tokens=t, slots=262144, block_size=64)
+                             for c in ("fp8", "bf16") for t in (128, 32768)],
+                "small": [dict(cache="fp8", tokens=16, slots=1024, block_size=64)]},
+    build=_write_build, run=_write_run, torch_ref=_write_torch, error=_write_error, count=_write_count,
+    label=lambda p: f"{p['cache']}-T{p['tokens']}",
+))
+
+
+def _gather_build(p, device):
+    bs, reqs, seq = p["block_size"], p["requests"], p["seq_len"]
+    per_req = -(-seq // bs)
+    nb = reqs * per_req + 16
+    g = torch.Generator(device=device).manual_seed(0)
+    cache = torch.empty(nb, bs, 656, dtype=torch.uint8, device=device)
+    cache.copy_(FP8_DS_MLA.pack(torch.randn(nb, bs, 512, device=device, generator=g).bfloat16(),
+                                torch.randn(nb, bs, 64, device=device, generator=g).bfloat16()))
+    table = torch.randperm(nb, device=device)[:reqs * per_req].view(reqs, per_req).to(torch.int32)
+    seq_lens = torch.full((reqs,), seq, dtype=torch.int32, device=device)
+    starts = torch.arange(reqs, device=device, dtype=torch.int32) * seq
+    dst = torch.empty(reqs * seq, 576, dtype=torch.bfloat16, device=device)
+    return {"cache": cache, "dst": dst, "table": table, "seq_lens": seq_lens, "starts": starts, "seq": seq}
+
+
+def _gather_run(x):
+    from quant.mla_gather import gather_upconvert
+    gather_upconvert(x["cache"], x["dst"], x["table"], x["seq_lens"], x["starts"], max_seq_len=x["seq"])
+    return x["dst"]
+
+
+def _gather_rows(x):
+    bs = x["cache"].shape[1]
+    pos = torch.arange(x["seq"], device=x["dst"].device)
+    slots = (x["table"].long()[:, pos // bs] * bs + pos % bs).reshape(-1)
+    return x["cache"].view(-1, 656)[slots]
+
+
+def _gather_torch(x):
+    x["dst"].copy_(FP8_DS_MLA.unpack(_gather_rows(x)))
+    return x["dst"]
+
+
+def _gather_error(x, dst):
+    return rel_l2(dst.float(), FP8_DS_MLA.unpack(_gather_rows(x)).bfloat16().float())
+
+
+register(Op(
+    name="gather_upconvert",
+    shape_sets={"standard": [dict(requests=r, seq_len=s, block_size=64) for r, s in ((1, 32768), (4, 8192))],
+                "small": [dict(requests=2, seq_len=100, block_size=64)]},
+    build=_gather_build, run=_gather_run, torch_ref=_gather_torch, error=_gather_error,
+    count=lambda p: (0.0, float(p["requests"] * p["seq_len"] * (656 + 1152))),
+    label=lambda p: f"R{p['requests']}-seq{p['seq_len']}",
 ))
 
 
@@ -212,15 +315,12 @@ def measure_ceilings(device) -> dict:
     return {"copy_bytes_per_s": copy_bps, "bf16_matmul_flops": 2 * m**3 / (ms * 1e-3)}
 
 
-def run_case(op: Op, params: dict, device, check_tokens: int = 8, skip_ref: bool = False) -> Case:
+def run_case(op: Op, params: dict, device, skip_ref: bool = False) -> Case:
     from triton.testing import do_bench
     flops, nbytes = op.count(params)
     case = Case(op=op.name, name=op.label(params), params=params, flops=flops, bytes=nbytes)
     x = op.build(params, device)
-    got = op.run(x)
-    sl = slice(0, min(check_tokens, got.shape[0]))
-    want = op.oracle(x, sl).to(got.device)
-    case.rel_err = float((got[sl].double() - want.double()).norm() / want.double().norm())
+    case.rel_err = op.error(x, op.run(x))
     if not math.isfinite(case.rel_err) or case.rel_err > 2e-2:
         raise RuntimeError(f"{op.name} {case.name}: relative L2 error {case.rel_err:.3g} against the "
                            f"fp32 oracle; refusing to time a wrong result")
