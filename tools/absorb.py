@@ -28,218 +28,55 @@ only after verification, so a failed run leaves nothing under OUT_DIR's final na
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mla.absorb import (  # noqa: E402
-    FP8_WEIGHT_BLOCK,
     MLAWeightDims,
     fold_o_proj,
     fold_q_proj,
     layer_output_folded,
     layer_output_split,
     layer_output_unabsorbed,
-    quantize_fp8_blocks,
-    scale_inv_shape,
     split_kv_b_proj,
-    weight_to_fp32,
+)
+from tools._absorb_demo import build_demo_checkpoint, run_demo  # noqa: E402,F401 (tests use it)
+from tools._checkpoint import (  # noqa: E402
+    CONFIG_NAME,
+    INDEX_NAME,
+    ITEMSIZE,
+    AbsorbError,
+    Checkpoint,
+    OutTensor,
+    TensorReader,
+    check_out_dir,
+    copy_other_files,
+    open_checkpoint,
+    size_text,
+    staged_dir,
+    write_index,
+    write_json,
+    write_shards,
 )
 
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
 OUT_DTYPES = {"bf16": (torch.bfloat16, "BF16"), "fp32": (torch.float32, "F32")}
 # Bound on the relative L2 error of the absorbed layer output against the original, per --dtype:
 # fp32 is reassociation only (measured ~1e-7); bf16 rounds every written weight (2^-9 relative).
 VERIFY_BOUND = {"fp32": 1e-4, "bf16": 2e-2}
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2,
-             "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
-             "F64": 8}
-_FLOAT_WEIGHTS = ("BF16", "F16", "F32")
-_SCALES = ("F32", "BF16", "F16")
-_COPY_CHUNK = 8 << 20
 _LAYER_RE = re.compile(r"^(?P<prefix>(?:.+\.)?layers\.(?P<idx>\d+)\.self_attn)\.kv_b_proj\.weight$")
-
-
-class AbsorbError(Exception):
-    """Bad input: reported as one line, exit code 2."""
 
 
 class VerificationError(Exception):
     """The absorbed layers do not match the originals: exit code 1, nothing written."""
-
-
-# --------------------------------------------------------------------------------------------
-# Reading: safetensors headers (parsed here, so that a bad shard is a clear error and untouched
-# tensors can be copied as raw bytes) and tensors (through safetensors, one at a time)
-# --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Entry:
-    dtype: str
-    shape: tuple
-    begin: int  # data offsets, relative to the end of the header
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-@dataclass
-class ShardHeader:
-    path: str
-    data_start: int
-    entries: dict
-    metadata: dict
-
-
-def read_header(path: str) -> ShardHeader:
-    """Parse and check a safetensors header; AbsorbError('unreadable shard ...') if it is bad."""
-    def bad(why):
-        raise AbsorbError(f"unreadable shard {path}: {why}")
-
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                bad(f"{size} bytes, shorter than the 8-byte header length")
-            n = int.from_bytes(raw, "little")
-            if n > size - 8 or n > (100 << 20):
-                bad(f"header length {n} does not fit a {size}-byte file")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        bad(e.strerror or str(e))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        bad(f"header is not JSON ({e.__class__.__name__})")
-    if not isinstance(header, dict):
-        bad("header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    data_start = 8 + n
-    entries = {}
-    for name, e in header.items():
-        try:
-            dtype, shape, (b, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
-            ok = (isinstance(dtype, str) and all(isinstance(s, int) and s >= 0 for s in shape)
-                  and isinstance(b, int) and isinstance(end, int) and 0 <= b <= end)
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            bad(f"malformed header entry for {name!r}")
-        if data_start + end > size:
-            bad(f"tensor {name} ends at byte {data_start + end}, past the end of the file "
-                f"({size} bytes; truncated?)")
-        if dtype in _ITEMSIZE and end - b != math.prod(shape) * _ITEMSIZE[dtype]:
-            bad(f"tensor {name}: {end - b} bytes for {dtype} {list(shape)}")
-        entries[name] = Entry(dtype, shape, b, end)
-    return ShardHeader(path, data_start, entries, metadata)
-
-
-@dataclass
-class Checkpoint:
-    root: str
-    config: dict
-    index: Optional[dict]           # the parsed index json, None for a single-file checkpoint
-    headers: dict                   # shard file name -> ShardHeader, in shard order
-    where: dict                     # tensor name -> shard file name
-    block: tuple = FP8_WEIGHT_BLOCK
-
-    def entry(self, name: str) -> Entry:
-        return self.headers[self.where[name]].entries[name]
-
-
-def _load_json(path: str, what: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise AbsorbError(f"{path}: not found ({what})") from None
-    except OSError as e:
-        raise AbsorbError(f"{path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AbsorbError(f"{path}: not valid JSON ({e})") from None
-
-
-def open_checkpoint(root: str) -> Checkpoint:
-    """config.json, the index (if any) and every shard header; checks they agree."""
-    if not os.path.isdir(root):
-        raise AbsorbError(f"CHECKPOINT_DIR {root}: not a directory")
-    config = _load_json(os.path.join(root, CONFIG_NAME), "the model config")
-    if not isinstance(config, dict):
-        raise AbsorbError(f"{os.path.join(root, CONFIG_NAME)}: not a JSON object")
-    if "openmla_absorbed" in config:
-        raise AbsorbError(f"{root} is already absorbed (config.json openmla_absorbed = "
-                          f"{json.dumps(config['openmla_absorbed'])[:120]})")
-    index_path = os.path.join(root, INDEX_NAME)
-    index = None
-    if os.path.exists(index_path):
-        index = _load_json(index_path, "the shard index")
-        wm = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise AbsorbError(f"{index_path}: expected a 'weight_map' of tensor name -> shard file")
-        shards = sorted(set(wm.values()))
-    else:
-        shards = sorted(f for f in os.listdir(root) if f.endswith(".safetensors"))
-        if not shards:
-            raise AbsorbError(f"CHECKPOINT_DIR {root}: no {INDEX_NAME} and no *.safetensors files")
-    for s in shards:
-        if os.path.isabs(s) or ".." in s.split("/"):
-            raise AbsorbError(f"{index_path}: shard name {s!r} points outside the checkpoint")
-    headers = {s: read_header(os.path.join(root, s)) for s in shards}
-    where = {}
-    for s, h in headers.items():
-        for name in h.entries:
-            if name in where:
-                raise AbsorbError(f"tensor {name} is in two shards: {where[name]} and {s}")
-            where[name] = s
-    if index is not None:
-        for name, s in index["weight_map"].items():
-            if name not in headers[s].entries:
-                raise AbsorbError(f"missing tensor {name}: {INDEX_NAME} puts it in {s}, "
-                                  "which does not hold it")
-    qc = config.get("quantization_config") or {}
-    block = tuple(qc.get("weight_block_size") or FP8_WEIGHT_BLOCK)
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-        raise AbsorbError("config.json quantization_config.weight_block_size: expected two "
-                          f"positive ints, got {list(block)}")
-    return Checkpoint(root, config, index, headers, where, block)
-
-
-class TensorReader:
-    """Loads one tensor at a time (safetensors safe_open); fp8 weights dequantized with their scales."""
-
-    def __init__(self, root: str, where: dict, block):
-        self.root, self.where, self.block = root, where, block
-
-    def tensor(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if name not in self.where:
-            raise AbsorbError(f"missing tensor {name}")
-        path = os.path.join(self.root, self.where[name])
-        try:
-            with safe_open(path, framework="pt") as f:
-                return f.get_tensor(name)
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise AbsorbError(f"unreadable shard {path}: {' '.join(str(e).split())}") from None
-
-    def fp32(self, name: str) -> torch.Tensor:
-        scale = name + "_scale_inv"
-        return weight_to_fp32(self.tensor(name),
-                              self.tensor(scale) if scale in self.where else None, self.block)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,16 +96,6 @@ class Layer:
     def out_name(self, kind: str) -> str:
         return {"w_uk": f"{self.prefix}.W_UK", "w_uv": f"{self.prefix}.W_UV",
                 "q_folded": self.weight("q"), "o_folded": self.weight("o")}[kind]
-
-
-@dataclass
-class OutTensor:
-    name: str
-    dtype: str
-    shape: tuple
-    nbytes: int
-    copy_of: Optional[Entry] = None               # raw copy from the same-named input shard
-    compute: Optional[tuple] = None               # (Layer, kind)
 
 
 @dataclass
@@ -293,35 +120,6 @@ def _config_dims(ck: Checkpoint) -> MLAWeightDims:
         raise AbsorbError(f"{os.path.join(ck.root, CONFIG_NAME)}: {e}") from None
 
 
-def _check_weight(ck: Checkpoint, name: str, want: tuple, dims: MLAWeightDims, role: str) -> bool:
-    """Check a weight (and its scale) against the config; returns whether it is fp8."""
-    if name not in ck.where:
-        raise AbsorbError(f"missing tensor {name} (needed to absorb its layer)")
-    e = ck.entry(name)
-    if e.shape != want:
-        keys = {"kv_b": "num_attention_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank",
-                "q": "num_attention_heads, qk_nope_head_dim, qk_rope_head_dim, "
-                     + ("q_lora_rank" if dims.q_lora_rank is not None else "hidden_size"),
-                "o": "hidden_size, num_attention_heads, v_head_dim"}[role]
-        raise AbsorbError(f"{name}: shape {list(e.shape)} disagrees with config.json ({keys}), "
-                          f"which gives {list(want)}")
-    scale = name + "_scale_inv"
-    if e.dtype == "F8_E4M3":
-        if scale not in ck.where:
-            raise AbsorbError(f"missing tensor {scale} (the block scales of fp8 {name})")
-        se = ck.entry(scale)
-        want_s = scale_inv_shape(want, ck.block)
-        if se.shape != want_s or se.dtype not in _SCALES:
-            raise AbsorbError(f"{scale}: expected {list(want_s)} float scales for {list(want)} in "
-                              f"{ck.block[0]}x{ck.block[1]} blocks, got {se.dtype} {list(se.shape)}")
-        return True
-    if e.dtype not in _FLOAT_WEIGHTS:
-        raise AbsorbError(f"{name}: dtype {e.dtype} not supported (expected BF16, F16, F32 or F8_E4M3)")
-    if scale in ck.where:
-        raise AbsorbError(f"{scale}: a scale for the {e.dtype} weight {name} (scales go with F8_E4M3)")
-    return False
-
-
 def make_plan(ck: Checkpoint, mode: str, dtype: str, only_layers=None) -> Plan:
     dims = _config_dims(ck)
     q_name = "q_b_proj" if dims.q_lora_rank is not None else "q_proj"
@@ -341,9 +139,13 @@ def make_plan(ck: Checkpoint, mode: str, dtype: str, only_layers=None) -> Plan:
     plan = Plan(mode, dtype, dims, layers)
     shapes = dims.shapes()
     out_dtype = OUT_DTYPES[dtype][1]
+    keys = {"kv_b": "num_attention_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank",
+            "q": "num_attention_heads, qk_nope_head_dim, qk_rope_head_dim, "
+                 + ("q_lora_rank" if dims.q_lora_rank is not None else "hidden_size"),
+            "o": "hidden_size, num_attention_heads, v_head_dim"}  # config keys giving each shape
     replace = {}  # input weight name -> [(Layer, kind)] written in its place (same shard)
     for l in layers:
-        fp8 = {role: _check_weight(ck, l.weight(role), shapes[role], dims, role)
+        fp8 = {role: ck.check_linear(l.weight(role), shapes[role], keys[role])
                for role in ("kv_b", "q", "o")}
         for nm in (f"{l.prefix}.W_UK", f"{l.prefix}.W_UV"):
             if nm in ck.where:
@@ -371,7 +173,7 @@ def make_plan(ck: Checkpoint, mode: str, dtype: str, only_layers=None) -> Plan:
             if name not in removed:
                 outs.append(OutTensor(name, e.dtype, e.shape, e.nbytes, copy_of=e))
         # Largest alignment first (as safetensors orders them), so every tensor stays aligned.
-        outs.sort(key=lambda t: (-_ITEMSIZE.get(t.dtype, 1), t.name))
+        outs.sort(key=lambda t: (-ITEMSIZE.get(t.dtype, 1), t.name))
         plan.shards[s] = outs
     return plan
 
@@ -399,7 +201,7 @@ def parse_layers(text: str) -> list:
 
 
 # --------------------------------------------------------------------------------------------
-# Writing: a streaming safetensors writer (header first, then one tensor at a time)
+# Computing the absorbed tensors, and the config note that says what was done
 # --------------------------------------------------------------------------------------------
 
 class Computer:
@@ -412,12 +214,9 @@ class Computer:
     def _split(self, layer: Layer):
         if layer.prefix not in self.cache:
             d = self.plan.dims
-            kv_b = self.reader.tensor(layer.weight("kv_b"))
-            scale_name = layer.weight("kv_b") + "_scale_inv"
-            scale = self.reader.tensor(scale_name) if scale_name in self.reader.where else None
             self.cache[layer.prefix] = split_kv_b_proj(
-                kv_b, scale, num_heads=d.num_heads, qk_nope_head_dim=d.qk_nope_head_dim,
-                v_head_dim=d.v_head_dim, block=self.reader.block)
+                self.reader.fp32(layer.weight("kv_b")), num_heads=d.num_heads,
+                qk_nope_head_dim=d.qk_nope_head_dim, v_head_dim=d.v_head_dim)
             while len(self.cache) > 2:
                 self.cache.popitem(last=False)
         return self.cache[layer.prefix]
@@ -433,75 +232,6 @@ class Computer:
             return fold_q_proj(self.reader.fp32(layer.weight("q")), w_uk, out_dtype=dtype,
                                qk_rope_head_dim=self.plan.dims.qk_rope_head_dim)
         return fold_o_proj(self.reader.fp32(layer.weight("o")), w_uv, out_dtype=dtype)
-
-
-class Progress:
-    """A byte-count progress bar on stderr (redrawn in place on a terminal, a line per shard otherwise)."""
-
-    def __init__(self, total: int, nshards: int, stream=None):
-        self.total, self.nshards, self.done = max(total, 1), nshards, 0
-        self.stream = stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.last = 0.0
-
-    def _line(self, i, name):
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        return (f"absorb [{bar}] {100 * frac:5.1f}%  {_size(self.done)}/{_size(self.total)}  "
-                f"shard {i}/{self.nshards} {name}")
-
-    def advance(self, nbytes, i, name):
-        self.done += nbytes
-        now = time.monotonic()
-        if self.tty and now - self.last > 0.1:
-            self.last = now
-            print("\r" + self._line(i, name), end="", file=self.stream, flush=True)
-
-    def shard_done(self, i, name):
-        if self.tty:
-            print("\r" + self._line(i, name), end="\n" if i == self.nshards else "",
-                  file=self.stream, flush=True)
-        else:
-            print(self._line(i, name), file=self.stream, flush=True)
-
-
-def _size(n: int) -> str:
-    for unit, k in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= k:
-            return f"{n / k:.1f} {unit}"
-    return f"{n} B"
-
-
-def write_shard(path: str, src: ShardHeader, outs: list, compute: Computer, progress, i, name):
-    metadata = dict(src.metadata) or {"format": "pt"}
-    header, off = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}, 0
-    for t in outs:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
-        off += t.nbytes
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    buf = bytearray(_COPY_CHUNK)
-    mv = memoryview(buf)
-    with open(path, "wb") as dst, open(src.path, "rb") as f_in:
-        dst.write(len(hb).to_bytes(8, "little"))
-        dst.write(hb)
-        for t in outs:
-            if t.copy_of is not None:
-                f_in.seek(src.data_start + t.copy_of.begin)
-                left = t.nbytes
-                while left:
-                    n = f_in.readinto(mv[:min(left, len(buf))])
-                    if not n:
-                        raise AbsorbError(f"unreadable shard {src.path}: ends inside tensor {t.name}")
-                    dst.write(mv[:n])
-                    left -= n
-                    progress.advance(n, i, name)
-            else:
-                data = compute(*t.compute)
-                assert tuple(data.shape) == t.shape and data.nbytes == t.nbytes, t.name
-                dst.write(data.view(torch.uint8).reshape(-1).numpy().data)
-                progress.advance(t.nbytes, i, name)
-                del data
 
 
 def absorbed_config(ck: Checkpoint, plan: Plan) -> dict:
@@ -616,51 +346,16 @@ def absorb(checkpoint_dir: str, out_dir: str, *, mode: str = "split", dtype: str
         raise AbsorbError(f"--mode: expected split or fold, got {mode!r}")
     if dtype not in OUT_DTYPES:
         raise AbsorbError(f"--dtype: expected bf16 or fp32, got {dtype!r}")
-    out_existed = os.path.exists(out_dir)
-    if out_existed:
-        if not os.path.isdir(out_dir):
-            raise AbsorbError(f"OUT_DIR {out_dir}: exists and is not a directory")
-        if os.listdir(out_dir) and not force:
-            raise AbsorbError(f"OUT_DIR {out_dir}: not empty (--force writes into it)")
-    real_in, real_out = os.path.realpath(checkpoint_dir), os.path.realpath(out_dir)
-    if real_in == real_out:
-        raise AbsorbError("OUT_DIR is CHECKPOINT_DIR: write the absorbed checkpoint somewhere else")
-
+    real_out = check_out_dir(checkpoint_dir, out_dir, force)
     ck = open_checkpoint(checkpoint_dir)
     plan = make_plan(ck, mode, dtype, layers)
 
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".absorb-tmp-", dir=out_dir)
-    committed = False
-    try:
+    with staged_dir(out_dir) as tmp:  # moved into OUT_DIR only if the block completes
         compute = Computer(TensorReader(ck.root, ck.where, ck.block), plan)
-        total = sum(t.nbytes for ts in plan.shards.values() for t in ts)
-        progress = Progress(total, len(plan.shards), err)
-        for i, (s, outs) in enumerate(plan.shards.items(), 1):
-            path = os.path.join(tmp, s)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_shard(path, ck.headers[s], outs, compute, progress, i, s)
-            progress.shard_done(i, s)
-        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
-            json.dump(absorbed_config(ck, plan), f, indent=2)
-            f.write("\n")
-        if ck.index is not None:
-            index = dict(ck.index)
-            index["metadata"] = dict(index.get("metadata") or {}, total_size=total)
-            index["weight_map"] = dict(sorted(plan.out_where.items()))
-            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-                json.dump(index, f, indent=2)
-                f.write("\n")
-        skip = set(plan.shards) | {CONFIG_NAME, INDEX_NAME}
-        for name in sorted(os.listdir(ck.root)):
-            p = os.path.join(ck.root, name)
-            rp = os.path.realpath(p)
-            if name in skip or rp == real_out or real_out.startswith(rp + os.sep):
-                continue
-            if os.path.isdir(p):
-                shutil.copytree(p, os.path.join(tmp, name), symlinks=True)
-            else:
-                shutil.copy2(p, os.path.join(tmp, name))
+        total = write_shards(ck, tmp, plan.shards, compute, err)
+        write_json(os.path.join(tmp, CONFIG_NAME), absorbed_config(ck, plan))
+        write_index(ck, tmp, plan.out_where, total)
+        copy_other_files(ck.root, tmp, set(plan.shards) | {CONFIG_NAME, INDEX_NAME}, real_out)
 
         rows = verify(ck, plan, tmp, seed, err) if verify_layers else []
         failed = [r for r in rows if not r["ok"]]
@@ -670,20 +365,6 @@ def absorb(checkpoint_dir: str, out_dir: str, *, mode: str = "split", dtype: str
                 f"verification failed for {len(failed)} layer(s), first layer {r['layer']}: rel err "
                 f"{max(r.get('split', 0), r.get('fold', 0)):.3g} > bound {r['bound']:.3g}; "
                 f"nothing written to {out_dir}")
-        for dirpath, _, files in os.walk(tmp):
-            for fn in files:
-                rel = os.path.relpath(os.path.join(dirpath, fn), tmp)
-                dst = os.path.join(out_dir, rel)
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                os.replace(os.path.join(dirpath, fn), dst)
-        committed = True
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not committed and not out_existed:
-            try:
-                os.rmdir(out_dir)
-            except OSError:
-                pass
 
     n_copied = sum(t.copy_of is not None for ts in plan.shards.values() for t in ts)
     n_written = sum(t.compute is not None for ts in plan.shards.values() for t in ts)
@@ -702,8 +383,8 @@ def print_summary(s: dict, src: str, dst: str, out) -> None:
     print(f"absorbed {len(s['layers'])} MLA layers ({_ranges(sorted(set(s['layers'])))}), "
           f"mode {s['mode']}, dtype {s['dtype']}: {src} -> {dst}", file=out)
     print(f"  {s['shards']} shards: {s['copied']} tensors copied bit for bit, {s['written']} written "
-          f"in {s['dtype']} in place of {s['removed']}; {_size(s['bytes_in'])} in, "
-          f"{_size(s['bytes_out'])} out, {s['seconds']:.1f} s", file=out)
+          f"in {s['dtype']} in place of {s['removed']}; {size_text(s['bytes_in'])} in, "
+          f"{size_text(s['bytes_out'])} out, {s['seconds']:.1f} s", file=out)
     if not s["verify"]:
         print("  verification skipped (--no-verify)", file=out)
         return
@@ -716,125 +397,6 @@ def print_summary(s: dict, src: str, dst: str, out) -> None:
         print(f"    layer {r['layer']:3d}: {errs}  (orig {s['dtype']} {r['baseline']:.2e}, "
               f"bound {r['bound']:.1e})  {'ok' if r['ok'] else 'FAILED'}", file=out)
     print(f"  all {len(s['verify'])} layers agree with the original", file=out)
-
-
-# --------------------------------------------------------------------------------------------
-# The demo checkpoint (also the tests' fixture)
-# --------------------------------------------------------------------------------------------
-
-DEMO_DIMS = dict(num_attention_heads=4, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=20,
-                 kv_lora_rank=144, q_lora_rank=200, hidden_size=160)
-
-
-def _demo_weight(rows, cols, gen, block):
-    """A random weight whose 128x128 blocks differ in magnitude by up to 2^6 (a scale read from
-    the wrong block shows), about unit gain."""
-    w = torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
-    mag = 2.0 ** torch.randint(-3, 4, scale_inv_shape((rows, cols), block), generator=gen).float()
-    return w * mag.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-
-
-def build_demo_checkpoint(root: str, *, fp8: bool = True, q_lora_rank: Optional[int] = 200,
-                          num_layers: int = 2, num_shards: int = 3, filler_bytes: int = 0,
-                          seed: int = 0) -> dict:
-    """Write a small checkpoint in DeepSeek-V3's exact layout (tensor names, row grouping,
-    128x128 fp8 blocks with ragged edges: kv_b_proj is 176 x 144) with safetensors' own writer.
-    fp8=False writes bf16 weights without scales (V2 style); q_lora_rank=None writes q_proj
-    (V2-Lite). o_proj and one weight_scale_inv sit in other shards than the rest of their
-    layer. filler_bytes adds that many bytes of untouched bf16 data to every shard. Returns the config."""
-    from safetensors.torch import save_file
-
-    os.makedirs(root, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    d = dict(DEMO_DIMS, q_lora_rank=q_lora_rank)
-    H, n, r, v, L, hid = (d["num_attention_heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"],
-                          d["v_head_dim"], d["kv_lora_rank"], d["hidden_size"])
-    vocab, inter, block = 96, 112, FP8_WEIGHT_BLOCK
-    shard_of, tensors = {}, {}
-
-    def linear(name, rows, cols, shard):
-        w = _demo_weight(rows, cols, gen, block)
-        if fp8:
-            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(w, block)
-            shard_of[name + "_scale_inv"] = shard
-        else:
-            tensors[name] = w.bfloat16()
-        shard_of[name] = shard
-
-    def norm(name, size, shard):
-        tensors[name] = (1 + 0.1 * torch.randn(size, generator=gen)).bfloat16()
-        shard_of[name] = shard
-
-    tensors["model.embed_tokens.weight"] = torch.randn(vocab, hid, generator=gen).bfloat16()
-    shard_of["model.embed_tokens.weight"] = 0
-    for i in range(num_layers):
-        p, s = f"model.layers.{i}", i % num_shards
-        norm(f"{p}.input_layernorm.weight", hid, s)
-        norm(f"{p}.post_attention_layernorm.weight", hid, s)
-        if q_lora_rank is not None:
-            linear(f"{p}.self_attn.q_a_proj.weight", q_lora_rank, hid, s)
-            norm(f"{p}.self_attn.q_a_layernorm.weight", q_lora_rank, s)
-            linear(f"{p}.self_attn.q_b_proj.weight", H * (n + r), q_lora_rank, s)
-        else:
-            linear(f"{p}.self_attn.q_proj.weight", H * (n + r), hid, s)
-        linear(f"{p}.self_attn.kv_a_proj_with_mqa.weight", L + r, hid, s)
-        norm(f"{p}.self_attn.kv_a_layernorm.weight", L, s)
-        linear(f"{p}.self_attn.kv_b_proj.weight", H * (n + v), L, s)
-        linear(f"{p}.self_attn.o_proj.weight", hid, H * v, (s + 1) % num_shards)
-        linear(f"{p}.mlp.gate_proj.weight", inter, hid, s)
-        linear(f"{p}.mlp.up_proj.weight", inter, hid, s)
-        linear(f"{p}.mlp.down_proj.weight", hid, inter, s)
-    if fp8 and num_layers > 1:  # a weight and its scale in different shards (HF splits do this)
-        qn = "q_b_proj" if q_lora_rank is not None else "q_proj"
-        shard_of[f"model.layers.1.self_attn.{qn}.weight_scale_inv"] = num_shards - 1
-    norm("model.norm.weight", hid, num_shards - 1)
-    tensors["lm_head.weight"] = torch.randn(vocab, hid, generator=gen).bfloat16()
-    shard_of["lm_head.weight"] = num_shards - 1
-    for k in range(num_shards if filler_bytes else 0):
-        name = f"model.filler.{k}.weight"  # stands for the experts: big, untouched
-        tensors[name] = torch.randn(filler_bytes // 2, generator=gen).bfloat16()
-        shard_of[name] = k
-
-    files = [f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
-    for k, fn in enumerate(files):
-        save_file({nm: t for nm, t in tensors.items() if shard_of[nm] == k},
-                  os.path.join(root, fn), metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": {nm: files[shard_of[nm]] for nm in sorted(tensors)}}
-    config = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        **d, "num_key_value_heads": H, "num_hidden_layers": num_layers, "vocab_size": vocab,
-        "intermediate_size": inter, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
-    }
-    if fp8:
-        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
-                                         "quant_method": "fp8", "weight_block_size": list(block)}
-    for name, obj in ((INDEX_NAME, index), (CONFIG_NAME, config)):
-        with open(os.path.join(root, name), "w") as f:
-            json.dump(obj, f, indent=2)
-    with open(os.path.join(root, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 0, "eos_token_id": 1}, f)
-    return config
-
-
-def run_demo(dtype: str, seed: int, out=None, err=None) -> int:
-    out = out or sys.stdout
-    with tempfile.TemporaryDirectory(prefix="openmla-absorb-demo-") as tmp:
-        ck = os.path.join(tmp, "checkpoint")
-        cfg = build_demo_checkpoint(ck, seed=seed)
-        H, n, v, L = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"],
-                      cfg["kv_lora_rank"])
-        print(f"demo: DeepSeek-V3 layout, 2 layers, 3 shards, H={H} qk_nope={n} "
-              f"qk_rope={cfg['qk_rope_head_dim']} v_head={v} kv_lora_rank={L} "
-              f"q_lora_rank={cfg['q_lora_rank']} hidden={cfg['hidden_size']}; fp8 e4m3 weights in "
-              f"128x128 blocks, kv_b_proj {H * (n + v)}x{L} "
-              f"(ragged last block {H * (n + v) % 128}x{L % 128})",
-              file=out)
-        for mode in ("split", "fold"):
-            print(file=out)
-            absorb(ck, os.path.join(tmp, f"absorbed-{mode}"), mode=mode, dtype=dtype, seed=seed,
-                   out=out, err=err)
-    return 0
 
 
 def main(argv=None) -> int:
@@ -857,7 +419,7 @@ def main(argv=None) -> int:
         if args.demo or (args.checkpoint_dir is None and args.out_dir is None):
             if args.checkpoint_dir is not None:
                 ap.error("--demo takes no CHECKPOINT_DIR / OUT_DIR")
-            return run_demo(args.dtype, args.seed)
+            return run_demo(absorb, args.dtype, args.seed)
         if args.out_dir is None:
             ap.error("OUT_DIR is required with CHECKPOINT_DIR")
         absorb(args.checkpoint_dir, args.out_dir, mode=args.mode, dtype=args.dtype,
