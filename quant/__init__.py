@@ -14,3 +14,12 @@ __all__ = [
     "BF16_MLA", "FP8_DS_MLA", "FP8_DS_MLA_RAW", "FP8_E4M3_MAX", "MLA_FORMATS",
     "BF16MLAFormat", "FP8DSMLAFormat", "mla_format_of",
 ]
+
+from .mla_gather import gather_upconvert  # noqa: E402  (Triton cache reader)
+from .mla_writer import write_mla_cache  # noqa: E402  (Triton cache writer)
+
+__all__ += ["write_mla_cache", "gather_upconvert"]
+
+from .kv_cache import write_kv_cache  # noqa: E402  (MHA paged KV cache writer)
+
+__all__ += ["write_kv_cache"]

@@ -1,0 +1,145 @@
+"""Merging partial attention results computed over disjoint key sets (cascade, split-KV).
+
+Each part holds an output normalized over its own keys and the natural-log denominator `lse`:
+
+    lse = log(exp(a_lse) + exp(b_lse))
+    out = exp(a_lse - lse) * a_out + exp(b_lse - lse) * b_out
+
+An lse of +inf or -inf marks an empty part (FlashAttention reports +inf for an empty split): it
+is ignored whatever its out holds, NaN included. Both parts empty gives out = 0, lse = -inf.
+
+`merge_step` is the one place this maths lives in Triton: `merge_attn_states_kernel` folds two
+parts with it and the split-KV reduction of `kernels.paged_attention` folds any number of parts.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from quant._validate import check_same_device, check_tensor
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def merge_step(acc, m_i, l_i, b_out, b_lse):
+    """Fold one part into a running merge state; all of it fp32, natural log.
+
+    acc [BH, BD]: sum of exp(lse_p - m_i) * out_p over the parts so far; m_i [BH]: their largest
+    lse (-inf while all were empty); l_i [BH]: sum of exp(lse_p - m_i). b_out [BH, BD], b_lse [BH]:
+    the new part. Returns the new (acc, m_i, l_i).
+    """
+    m_empty = (b_lse == float("inf")) | (b_lse == float("-inf"))
+    b_lse = tl.where(m_empty, float("-inf"), b_lse)
+    m_new = tl.maximum(m_i, b_lse)
+    # While every part so far is empty the max is -inf; shift by 0 so no inf - inf appears.
+    m_sh = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_sh)
+    w = tl.exp(b_lse - m_sh)
+    # An empty part's out may hold anything: select instead of multiplying by a zero weight.
+    b_add = tl.where(m_empty[:, None], 0.0, w[:, None] * b_out)
+    return acc * alpha[:, None] + b_add, m_new, l_i * alpha + w
+
+
+@triton.jit
+def merge_finish(acc, m_i, l_i):
+    """(out [BH, BD], lse [BH]) of a merge state; out = 0, lse = -inf when every part was empty."""
+    has = l_i > 0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    return acc * inv[:, None], lse
+
+
+@triton.jit
+def merge_attn_states_kernel(
+    out_ptr, lse_out_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr,
+    H, D,
+    s_ot, s_oh, s_lot, s_loh, s_at, s_ah, s_alt, s_alh, s_bt, s_bh, s_blt, s_blh,
+    HAS_LSE_OUT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_h = o_h < H
+    m_hd = m_h[:, None] & (o_d < D)[None, :]
+
+    b_a = tl.load(a_ptr + i_t * s_at + o_h[:, None] * s_ah + o_d[None, :], mask=m_hd, other=0.0)
+    b_al = tl.load(a_lse_ptr + i_t * s_alt + o_h * s_alh, mask=m_h, other=float("-inf"))
+    b_b = tl.load(b_ptr + i_t * s_bt + o_h[:, None] * s_bh + o_d[None, :], mask=m_hd, other=0.0)
+    b_bl = tl.load(b_lse_ptr + i_t * s_blt + o_h * s_blh, mask=m_h, other=float("-inf"))
+
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc, m_i, l_i = merge_step(acc, m_i, l_i, b_a.to(tl.float32), b_al.to(tl.float32))
+    acc, m_i, l_i = merge_step(acc, m_i, l_i, b_b.to(tl.float32), b_bl.to(tl.float32))
+    b_o, b_lse = merge_finish(acc, m_i, l_i)
+
+    tl.store(out_ptr + i_t * s_ot + o_h[:, None] * s_oh + o_d[None, :],
+             b_o.to(out_ptr.dtype.element_ty), mask=m_hd)
+    if HAS_LSE_OUT:
+        tl.store(lse_out_ptr + i_t * s_lot + o_h * s_loh, b_lse, mask=m_h)
+
+
+def _launch(out, a_out, a_lse, b_out, b_lse, out_lse):
+    T, H, D = out.shape
+    if T == 0 or H == 0 or D == 0:
+        return
+    block_d = triton.next_power_of_2(D)
+    # About 2048 elements per program (16 fp32 values per thread): whole head rows, several
+    # heads when D is small.
+    block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_d))
+    lse_out = out_lse if out_lse is not None else a_lse  # never written when HAS_LSE_OUT is off
+    grid = (T, triton.cdiv(H, block_h))
+    merge_attn_states_kernel[grid](
+        out, lse_out, a_out, a_lse, b_out, b_lse, H, D,
+        out.stride(0), out.stride(1), lse_out.stride(0), lse_out.stride(1),
+        a_out.stride(0), a_out.stride(1), a_lse.stride(0), a_lse.stride(1),
+        b_out.stride(0), b_out.stride(1), b_lse.stride(0), b_lse.stride(1),
+        HAS_LSE_OUT=out_lse is not None, BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+
+
+@torch.library.custom_op("openmla::merge_attn_states", mutates_args=("out", "out_lse"))
+def _merge_attn_states_op(out: torch.Tensor, a_out: torch.Tensor, a_lse: torch.Tensor,
+                          b_out: torch.Tensor, b_lse: torch.Tensor,
+                          out_lse: Optional[torch.Tensor]) -> None:
+    _launch(out, a_out, a_lse, b_out, b_lse, out_lse)
+
+
+@_merge_attn_states_op.register_fake
+def _(out, a_out, a_lse, b_out, b_lse, out_lse):
+    return None
+
+
+def merge_attn_states(out: torch.Tensor, a_out: torch.Tensor, a_lse: torch.Tensor,
+                      b_out: torch.Tensor, b_lse: torch.Tensor,
+                      out_lse: Optional[torch.Tensor] = None) -> None:
+    """Merge two partial attention results over disjoint key sets, in place into `out`.
+
+    Args:
+        out: [T, H, D] bf16/fp16/fp32, written; last dim contiguous, any token/head strides.
+        a_out, b_out: [T, H, D] bf16/fp16/fp32, each normalized over its own keys; last dim
+            contiguous.
+        a_lse, b_lse: [T, H] fp32 natural-log denominators of a and b, any strides (a transposed
+            view of vLLM's [H, T] lse works). +inf or -inf marks an empty part: it is ignored,
+            whatever its out holds (NaN included).
+        out_lse: [T, H] fp32 or None; when given, receives log(exp(a_lse) + exp(b_lse)).
+
+    Both parts empty gives out = 0 and lse = -inf, never NaN. The maths runs in fp32; out is
+    rounded once to its dtype. `out` may be one of the inputs (each element is read before it
+    is written, by the same program).
+    """
+    check_tensor("out", out, dtype=_FLOATS, ndim=3, last_dim_contiguous=True)
+    shape3, shape2 = tuple(out.shape), tuple(out.shape[:2])
+    check_tensor("a_out", a_out, dtype=_FLOATS, shape=shape3, last_dim_contiguous=True)
+    check_tensor("b_out", b_out, dtype=_FLOATS, shape=shape3, last_dim_contiguous=True)
+    check_tensor("a_lse", a_lse, dtype=torch.float32, shape=shape2)
+    check_tensor("b_lse", b_lse, dtype=torch.float32, shape=shape2)
+    if out_lse is not None:
+        check_tensor("out_lse", out_lse, dtype=torch.float32, shape=shape2)
+    check_same_device(out=out, a_out=a_out, a_lse=a_lse, b_out=b_out, b_lse=b_lse, out_lse=out_lse)
+    _merge_attn_states_op(out, a_out, a_lse, b_out, b_lse, out_lse)

@@ -1,0 +1,632 @@
+"""Attention of varlen queries over a paged KV cache (general MHA/GQA path), and encoder attention.
+
+Semantics are vLLM's FlashAttention backend (DESIGN.md, General MHA path; oracle
+`kernels.reference.paged_attention_ref`): query i of request r sits at key position
+context_len + i with context_len = seq_len - q_len; causal keeps keys j <= context_len + i;
+window (left, right); softcap c * tanh(s / c) after scaling, before masking; ALiBi; sinks in the
+denominator; an all-masked row gives out = 0, lse = -inf (lse = sink with sinks).
+
+One kernel, `paged_attention_kernel`:
+- A program owns BLOCK_M packed rows of one request and one KV head. Row m is query token
+  m // GQA and query head kv_head * GQA + m % GQA, so the GQA heads sharing a KV head (and,
+  for short queries, several query tokens) fill the M dimension of both dots and each K/V tile
+  is loaded once for all of them. Programs find their request by a binary search over
+  cu_seqlens_q (request r's first block is cu_q[r] * GQA // BLOCK_M + r), so the grid comes
+  from shapes alone. Rows past cu_seqlens_q[-1] form a pseudo-request that writes 0 / -inf.
+- Per step it gathers BLOCK_N keys through the block table (64-bit block offsets, any page
+  size, NHD or HND through strides), scores them with one dot in the log2 domain (softmax
+  scale, log2(e) and the fp8 k_scale folded into one factor; fp8 K and V are converted to q's
+  dtype exactly and v_scale multiplies the output), and keeps an online softmax.
+- Only key tiles that some row of the program may see are visited (causal and window bounds),
+  and only positions < seq_len (and inside that union) are read: block table entries beyond
+  the sequence and cache rows outside it are never touched.
+- Short queries (decode, speculative decoding) whose grid would underfill the GPU split the key
+  range over NUM_SPLITS programs; `paged_attention_reduce_kernel` folds the partial
+  (out, lse) pairs with `kernels.merge.merge_step`. The split count is chosen on the host from
+  shapes and the SM count: the decode path reads no device tensor on the host.
+- Encoder attention (`varlen_attention`) is the same kernel with IS_PAGED off: request r's
+  keys are rows cu_seqlens_k[r] + j of contiguous k / v.
+
+Block shapes are autotune configs keyed on shape classes (row bucket, GQA, head dim, page
+size, fp8, split count); the first call per class benchmarks them, so warm up outside CUDA-graph
+capture.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kernels.merge import merge_finish, merge_step
+from quant._validate import check_same_device, check_tensor, fail
+from quant.kv_cache import LAYOUTS, cache_dims, cache_strides
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_HEAD_DIM = 256
+# Queries up to this many tokens (and GQA * tokens rows up to SHORT_MAX_ROWS) form the "short"
+# class: one row block per request and KV head, split-KV when the grid underfills the GPU.
+SHORT_MAX_Q = 16
+SHORT_MAX_ROWS = 128
+# A split gets at least this many keys (a few BLOCK_N steps), and there are at most MAX_SPLITS.
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# Programs per SM the split count aims for.
+WAVES = 2
+_SMEM_BYTES = 227 * 1024  # Hopper's per-block shared-memory limit (sm_90)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autotune configs
+# ---------------------------------------------------------------------------------------------
+def _config(bm, bn, w, s):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+
+
+# Sound defaults first (the first survivor of pruning is what runs without benchmarking), then
+# the rest of the grid.
+_DEFAULTS = [(16, 64, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2),
+             (64, 32, 8, 2)]
+_CONFIGS = [_config(*c) for c in _DEFAULTS] + [
+    _config(bm, bn, w, s)
+    for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+    if (bm, bn, w, s) not in _DEFAULTS
+]
+# OPENMLA_AUTOTUNE=0: no benchmarking, every launch takes the first config its pruning keeps
+# (one compile per shape class instead of one per config: GPU test runs, quick experiments).
+_AUTOTUNE = os.environ.get("OPENMLA_AUTOTUNE", "1") != "0"
+
+
+def _prune(configs, named_args, **kwargs):
+    """Configs worth timing for one launch; each rule says why it drops a config."""
+    want_m = kwargs["BLOCK_M_WANT"]
+    d = kwargs["BLOCK_D"]
+    kept = []
+    for c in configs:
+        bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+        # Short queries: the host sized the grid and the split count for this BLOCK_M.
+        if want_m and bm != want_m:
+            continue
+        # Long queries: below 64 rows Hopper's wgmma (M = 64 per warpgroup) runs partly empty.
+        if not want_m and bm < 64:
+            continue
+        # Decode-sized row blocks do little math per key: 8 warps only split the same loads.
+        if bm <= 32 and w == 8:
+            continue
+        # Registers: the fp32 accumulator, the score tile and one K/V operand tile spread over the
+        # threads. ptxas for sm_90 (scratch/paged/NOTES.md) spills past ~176 such values per
+        # thread (D=128: 64x128 keys at 4 warps, 128x128 at 8) and never below it.
+        if (bm * d + bm * bn + bn * d) / (32 * w) > 176:
+            continue
+        # Shared memory: q plus `s` stages of K and V tiles (2-byte operands).
+        if 2 * (bm * d + 2 * s * bn * d) > _SMEM_BYTES - 8 * 1024:
+            continue
+        kept.append(c)
+    if not kept:  # the smallest tile for the wanted BLOCK_M always runs
+        kept = [_config(want_m or 64, 32, 4, 2)]
+    return kept if _AUTOTUNE else kept[:1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+@triton.autotune(configs=_CONFIGS,
+                 key=["BLOCK_M_WANT", "GQA", "HEAD_DIM", "PAGE_SIZE", "IS_FP8", "NUM_SPLITS"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, lens_ptr,
+    alibi_ptr, sink_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
+    T, R, NUM_BLOCKS, MAX_KV,
+    qk_scale2, softcap2, win_left, win_right,
+    s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
+    s_os, s_ot, s_oh, s_ls, s_lt, s_lh,
+    BLOCK_M_WANT: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, IS_FP8: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, ALIBI_SQRT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    i_qb = tl.program_id(0)
+    i_kvh = tl.program_id(1)
+    i_split = tl.program_id(2)
+
+    # Request of this row block: the largest r in [0, R] whose first block is <= i_qb
+    # (r == R is the pseudo-request of padding rows past cu_seqlens_q[R]).
+    r_lo = tl.full([], 0, tl.int32)
+    r_hi = tl.full([], 0, tl.int32) + R
+    while r_lo < r_hi:
+        r_mid = (r_lo + r_hi + 1) // 2
+        if tl.load(cu_q_ptr + r_mid) * GQA // BLOCK_M + r_mid <= i_qb:
+            r_lo = r_mid
+        else:
+            r_hi = r_mid - 1
+    i_r = r_lo
+    q_start = tl.load(cu_q_ptr + i_r)
+    q_end = tl.load(cu_q_ptr + i_r + 1, mask=i_r < R, other=T)
+    q_rows = (q_end - q_start) * GQA
+    row0 = (i_qb - (q_start * GQA // BLOCK_M + i_r)) * BLOCK_M
+    if row0 >= q_rows:
+        return
+
+    if IS_PAGED:
+        seq_len = tl.load(lens_ptr + i_r, mask=i_r < R, other=0)
+        kv_cap = MAX_KV  # block table columns * page size
+    else:  # lens_ptr is cu_seqlens_k: keys of request r are rows kv_start + j
+        kv_start = tl.load(lens_ptr + i_r, mask=i_r < R, other=0).to(tl.int64)
+        seq_len = tl.load(lens_ptr + i_r + 1, mask=i_r < R, other=0) - kv_start.to(tl.int32)
+        kv_cap = MAX_KV - kv_start.to(tl.int32)  # rows of k / v
+    context_len = seq_len - (q_end - q_start)
+
+    o_m = row0 + tl.arange(0, BLOCK_M)
+    m_m = o_m < q_rows
+    o_tq = o_m // GQA  # query token within the request
+    o_h = i_kvh * GQA + o_m % GQA  # query head
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    o_qpos = context_len + o_tq  # absolute key position of each row's query
+    o_tok = (q_start + o_tq).to(tl.int64)
+
+    # Keys any row of this block may see: [lo, hi).
+    tq_first = row0 // GQA
+    tq_last = (tl.minimum(row0 + BLOCK_M, q_rows) - 1) // GQA
+    lo = tl.zeros([], tl.int32)
+    # A seq_len past the block table (or past k / v) is a caller bug: never read beyond them.
+    hi = tl.minimum(seq_len, kv_cap)
+    if CAUSAL:
+        hi = tl.minimum(hi, context_len + tq_last + 1)
+    if HAS_WINDOW:
+        if win_left >= 0:
+            lo = tl.maximum(lo, context_len + tq_first - win_left)
+        if win_right >= 0:
+            hi = tl.minimum(hi, context_len + tq_last + win_right + 1)
+    # This split's share, whole BLOCK_N tiles from a tile-aligned start.
+    lo_al = lo // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo_al, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_start = lo_al + i_split * chunk
+    n_end = tl.minimum(hi, n_start + chunk)
+
+    b_q = tl.load(q_ptr + o_tok[:, None] * s_qt + o_h[:, None] * s_qh + o_d[None, :],
+                  mask=m_m[:, None] & m_d[None, :], other=0.0)
+    qk_scale = qk_scale2
+    if IS_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if HAS_ALIBI:
+        b_slope = tl.load(alibi_ptr + o_h, mask=m_m, other=0.0) * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # The sink is one more logit with no value vector: start the softmax from it, once
+        # (split 0), and never for padding rows.
+        if (i_split == 0) & (i_r < R):
+            m_i = tl.load(sink_ptr + o_h, mask=m_m, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    p_k = k_ptr + i_kvh * s_kh
+    p_v = v_ptr + i_kvh * s_vh
+    for n0 in range(n_start, n_end, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = (o_n >= lo) & (o_n < n_end)
+        if IS_PAGED:
+            # Block ids are read only for positions this program uses (all < seq_len).
+            b_blk = tl.load(bt_ptr + i_r * s_bt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+            # An invalid block id (< 0 or >= num_blocks) drops its keys instead of reading them.
+            m_n = m_n & (b_blk >= 0) & (b_blk < NUM_BLOCKS)
+            o_kr = b_blk * s_kb + (o_n % PAGE_SIZE) * s_kt
+            o_vr = b_blk * s_vb + (o_n % PAGE_SIZE) * s_vt
+        else:
+            o_kr = (kv_start + o_n) * s_kt
+            o_vr = (kv_start + o_n) * s_vt
+        m_nd = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(p_k + o_kr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype))) * qk_scale
+        if HAS_SOFTCAP:
+            b_s = softcap2 * libdevice.tanh(b_s / softcap2)
+        m_s = m_n[None, :]
+        if CAUSAL:
+            m_s = m_s & (o_n[None, :] <= o_qpos[:, None])
+        if HAS_WINDOW:
+            m_s = m_s & ((win_left < 0) | (o_n[None, :] >= o_qpos[:, None] - win_left))
+            m_s = m_s & ((win_right < 0) | (o_n[None, :] <= o_qpos[:, None] + win_right))
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        if HAS_ALIBI:
+            if ALIBI_SQRT:
+                b_dist = (o_qpos[:, None] - o_n[None, :]).to(tl.float32)
+                b_bias = tl.where(b_dist >= 0, -tl.sqrt(tl.maximum(b_dist, 0.0)), 0.0)
+            else:
+                b_bias = (o_n - context_len).to(tl.float32)[None, :]
+            b_s = b_s + b_slope[:, None] * b_bias
+
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # A row with nothing counted yet keeps max -inf; shift by 0 there so no inf - inf appears.
+        m_sh = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = tl.exp2(b_s - m_sh[:, None])
+        alpha = tl.exp2(m_i - m_sh)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        b_v = tl.load(p_v + o_vr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+        acc = tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), acc * alpha[:, None])
+        m_i = m_new
+
+    if IS_FP8:
+        acc = acc * tl.load(v_scale_ptr)
+    has = l_i > 0
+    b_o = acc * tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)[:, None]
+    b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                     float("-inf"))
+
+    o_row = i_split.to(tl.int64) * s_os + o_tok * s_ot + o_h * s_oh
+    tl.store(out_ptr + o_row[:, None] + o_d[None, :], b_o.to(out_ptr.dtype.element_ty),
+             mask=m_m[:, None] & m_d[None, :])
+    if WRITE_LSE:
+        tl.store(lse_ptr + i_split.to(tl.int64) * s_ls + o_tok * s_lt + o_h * s_lh, b_lse,
+                 mask=m_m)
+
+
+@triton.jit
+def paged_attention_reduce_kernel(
+    po_ptr, plse_ptr, out_ptr, lse_ptr,
+    H, s_ps, s_pt, s_ph, s_pls, s_plt, s_ot, s_oh, s_lt, s_lh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_h = o_h < H
+    m_hd = m_h[:, None] & (o_d < HEAD_DIM)[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    # Pointers advance split by split: 64-bit arithmetic however large splits * T * H * D is.
+    p_po = po_ptr + i_t * s_pt + o_h[:, None] * s_ph + o_d[None, :]
+    p_pl = plse_ptr + i_t * s_plt + o_h
+    for i_s in range(NUM_SPLITS):  # a loop, not unrolled: unrolled, every load is hoisted
+        b_o = tl.load(p_po, mask=m_hd, other=0.0)
+        b_l = tl.load(p_pl, mask=m_h, other=float("-inf"))
+        acc, m_i, l_i = merge_step(acc, m_i, l_i, b_o, b_l)
+        p_po += s_ps
+        p_pl += s_pls
+    b_o, b_lse = merge_finish(acc, m_i, l_i)
+    tl.store(out_ptr + i_t * s_ot + o_h[:, None] * s_oh + o_d[None, :],
+             b_o.to(out_ptr.dtype.element_ty), mask=m_hd)
+    if WRITE_LSE:
+        tl.store(lse_ptr + i_t * s_lt + o_h * s_lh, b_lse, mask=m_h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+# ---------------------------------------------------------------------------------------------
+_SM_COUNT: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessor count (cached); the CPU interpreter pretends to have 8 so split-KV runs."""
+    if device.type != "cuda":
+        return 8
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]
+
+
+def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms: int,
+          num_splits: Optional[int]):
+    """(BLOCK_M_WANT, NUM_SPLITS) from shapes alone. BLOCK_M_WANT = 0: long queries, BLOCK_M is
+    autotuned and keys are split only when forced (num_splits). max_kv bounds every seq_len
+    (block table width * page size)."""
+    rows = max_q * gqa
+    if max_q > SHORT_MAX_Q or rows > SHORT_MAX_ROWS:
+        return 0, num_splits or 1
+    block_m = max(16, triton.next_power_of_2(rows))
+    if num_splits is not None:
+        return block_m, num_splits
+    programs = R * H_kv  # one row block per request and KV head
+    want = triton.cdiv(WAVES * num_sms, max(programs, 1))
+    return block_m, max(1, min(want, MAX_SPLITS, triton.cdiv(max_kv, MIN_KEYS_PER_SPLIT)))
+
+
+def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, window, softcap,
+            alibi_slopes, alibi_sqrt, sinks, k_scale, v_scale, layout, max_q, max_kv,
+            num_splits):
+    """Run on validated inputs. block_table None: encoder mode, k/v are [Tk, H_kv, D] and lens
+    is cu_seqlens_k. Writes out (and lse when given)."""
+    T, H, D = q.shape
+    R = cu_seqlens_q.shape[0] - 1
+    paged = block_table is not None
+    if paged:
+        num_blocks, page, H_kv, _ = cache_dims(k, layout)
+        kv_cap = block_table.shape[1] * page
+        s_kb, s_kt, s_kh = cache_strides(k, layout)
+        s_vb, s_vt, s_vh = cache_strides(v, layout)
+        s_bt = block_table.stride(0)
+    else:
+        H_kv, page = k.shape[1], 1
+        num_blocks, kv_cap = 0, k.shape[0]
+        s_kb, s_kt, s_kh = 0, k.stride(0), k.stride(1)
+        s_vb, s_vt, s_vh = 0, v.stride(0), v.stride(1)
+        block_table, s_bt = cu_seqlens_q, 0  # never read
+    gqa = H // H_kv
+    block_m_want, splits = _plan(T, R, H_kv, gqa, max_q, max_kv, _num_sms(q.device), num_splits)
+    is_fp8 = k.dtype == torch.float8_e4m3fn
+    dummy = cu_seqlens_q  # pointer arguments the kernel never reads under its flags
+    if splits > 1:
+        part_out = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
+        o_args = (part_out, part_lse, *part_out.stride()[:3], *part_lse.stride())
+        write_lse = True
+    else:
+        lse_arg = lse if lse is not None else dummy
+        o_args = (out, lse_arg, 0, out.stride(0), out.stride(1), 0,
+                  lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)
+        write_lse = lse is not None
+    left, right = window
+    grid = lambda meta: (triton.cdiv(T * gqa, meta["BLOCK_M"]) + R + 1, H_kv, splits)  # noqa: E731
+    paged_attention_kernel[grid](
+        q, k, v, block_table, cu_seqlens_q, lens,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        sinks if sinks is not None else dummy,
+        k_scale if is_fp8 else dummy, v_scale if is_fp8 else dummy,
+        o_args[0], o_args[1],
+        T, R, num_blocks, kv_cap,
+        scale * LOG2E, softcap * LOG2E, left, right,
+        q.stride(0), q.stride(1), s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
+        *o_args[2:],
+        BLOCK_M_WANT=block_m_want, GQA=gqa, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        PAGE_SIZE=page, IS_PAGED=paged, IS_FP8=is_fp8,
+        CAUSAL=causal, HAS_WINDOW=left >= 0 or right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None, ALIBI_SQRT=alibi_sqrt, HAS_SINKS=sinks is not None,
+        NUM_SPLITS=splits, WRITE_LSE=write_lse,
+    )
+    if splits > 1:
+        block_d = triton.next_power_of_2(D)
+        block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_d))
+        lse_arg = lse if lse is not None else dummy
+        paged_attention_reduce_kernel[(T, triton.cdiv(H, block_h))](
+            part_out, part_lse, out, lse_arg,
+            H, *part_out.stride()[:3], part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+            HEAD_DIM=D, NUM_SPLITS=splits, WRITE_LSE=lse is not None,
+            BLOCK_H=block_h, BLOCK_D=block_d,
+        )
+
+
+@torch.library.custom_op("openmla::paged_attention", mutates_args=("out", "lse"))
+def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        seq_lens: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
+                        scale: float, causal: bool, window_left: int, window_right: int,
+                        softcap: float, alibi_slopes: Optional[torch.Tensor], alibi_sqrt: bool,
+                        sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                        v_scale: Optional[torch.Tensor], layout: str, max_query_len: int,
+                        max_kv_len: int, num_splits: int) -> None:
+    _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, scale, causal,
+            (window_left, window_right), softcap, alibi_slopes, alibi_sqrt, sinks, k_scale,
+            v_scale, layout, max_query_len, max_kv_len, num_splits or None)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, *args):
+    return None
+
+
+@torch.library.custom_op("openmla::varlen_attention", mutates_args=("out", "lse"))
+def _varlen_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         out: torch.Tensor, lse: Optional[torch.Tensor], scale: float,
+                         causal: bool, window_left: int, window_right: int, softcap: float,
+                         alibi_slopes: Optional[torch.Tensor], alibi_sqrt: bool,
+                         sinks: Optional[torch.Tensor], max_query_len: int, max_kv_len: int
+                         ) -> None:
+    _launch(q, k, v, None, cu_seqlens_q, cu_seqlens_k, out, lse, scale, causal,
+            (window_left, window_right), softcap, alibi_slopes, alibi_sqrt, sinks, None, None,
+            "NHD", max_query_len, max_kv_len, None)
+
+
+@_varlen_attention_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, *args):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+_Q_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_options(q, H, scale, window, softcap, alibi_slopes, sinks):
+    scale = float(scale)
+    if not math.isfinite(scale):
+        fail("scale", "a finite float", scale)
+    if not (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and w >= -1 for w in window)):
+        fail("window", "(left, right) ints >= -1 (-1: unbounded)", window)
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        fail("softcap", "a finite float >= 0 (0: off)", softcap)
+    if alibi_slopes is not None:
+        check_tensor("alibi_slopes", alibi_slopes, dtype=torch.float32, shape=(H,), contiguous=True)
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtype=torch.float32, shape=(H,), contiguous=True)
+    return scale, (int(window[0]), int(window[1])), softcap
+
+
+def _check_q_out(q, out, return_lse):
+    check_tensor("q", q, dtype=_Q_DTYPES, ndim=3, last_dim_contiguous=True)
+    T, H, D = q.shape
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise NotImplementedError(f"head size {D}: supported are 1..{MAX_HEAD_DIM}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        check_tensor("out", out, dtype=q.dtype, shape=(T, H, D), last_dim_contiguous=True)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device) if return_lse else None
+    return out, lse
+
+
+def _max_query_len(max_query_len, cu_seqlens_q, T, R):
+    """A python int bounding every query length (only picks tile shapes and splits)."""
+    if max_query_len is not None:
+        if not (isinstance(max_query_len, int) and max_query_len >= 0):
+            fail("max_query_len", "None or an int >= 0", max_query_len)
+        return max_query_len
+    # With at least one token per request no query exceeds T - R + 1: decode batches are
+    # recognised with no device read. Only longer bounds pay one sync for the true maximum.
+    bound = max(T - R + 1, 1)
+    if bound <= SHORT_MAX_Q or R == 0:
+        return bound
+    return int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    seq_lens: torch.Tensor, *, scale: float, causal: bool = True,
+                    window: tuple = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[torch.Tensor] = None, alibi_sqrt: bool = False,
+                    sinks: Optional[torch.Tensor] = None, k_scale: Optional[torch.Tensor] = None,
+                    v_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                    return_lse: bool = False, layout: str = "NHD",
+                    max_query_len: Optional[int] = None, num_splits: Optional[int] = None):
+    """Attention of varlen queries over a paged KV cache (vLLM FlashAttention semantics).
+
+    Args:
+        q: [T, H, D] bf16/fp16, last dim contiguous; D in 1..256 (multiples of 8 are the
+            fast case).
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] ("NHD") or
+            [num_blocks, H_kv, block_size, D] ("HND"), q's dtype or float8_e4m3fn; last dim
+            contiguous, other strides free (strided views, interleaved layers). H % H_kv == 0:
+            query head h reads KV head h // (H // H_kv). Any block_size >= 1.
+        block_table: [R, M] int32, last dim contiguous; token p of request r lives in block
+            block_table[r, p // block_size] at offset p % block_size. Only entries for positions
+            < seq_lens[r] are read; block offsets are computed in 64 bits. An invalid entry
+            (< 0 or >= num_blocks) is never dereferenced: its keys are left out.
+        cu_seqlens_q: [R + 1] int32: request r owns q rows cu_seqlens_q[r]:cu_seqlens_q[r+1].
+            Rows past cu_seqlens_q[R] (padding) get out = 0, lse = -inf.
+        seq_lens: [R] int32, total KV length of request r including its new tokens
+            (<= M * block_size: keys past the table are never read); query i sits at position
+            seq_len - q_len + i.
+        scale: softmax scale, s = scale * q.k.
+        causal: keys j <= seq_len - q_len + i (bottom-right aligned).
+        window: (left, right), -1 unbounded (vLLM maps sliding window w to (w - 1, 0)).
+        softcap: c > 0: s = c * tanh(s / c) after scaling, before masking and ALiBi.
+        alibi_slopes: [H] fp32: s += slope[h] * (j - context_len); with alibi_sqrt,
+            s += slope[h] * -sqrt(context_len + i - j) for j <= context_len + i (else 0).
+        sinks: [H] fp32: one more logit per head in the denominator (no value); lse includes it.
+        k_scale, v_scale: [1] fp32 per-tensor dequantization scales of an fp8 cache (None = 1.0);
+            must be None for a bf16/fp16 cache.
+        out: optional [T, H, D] in q's dtype (last dim contiguous) to write into.
+        return_lse: also return lse.
+        layout: "NHD" or "HND".
+        max_query_len: optional python int >= every query length. It only picks tile shapes and
+            the split-KV count, never the result. When None it is T - R + 1 if that is
+            <= 16 (every decode and short speculative batch: no device read); otherwise it is
+            computed from cu_seqlens_q with ONE host sync. Pass it (vLLM's metadata has it) to
+            keep speculative decoding free of syncs and CUDA-graph capturable.
+        num_splits: None (choose from shapes and the SM count: short queries split when the
+            grid underfills the GPU, long ones never) or a positive int forcing the split-KV
+            count of any launch (tests, benchmarks, long-context chunked prefill).
+
+    Returns:
+        out [T, H, D] in q's dtype; with return_lse also lse [T, H] fp32 natural log.
+        An all-masked row gives out = 0 and lse = -inf (lse = sinks[h] with sinks).
+    """
+    out, lse = _check_q_out(q, out, return_lse)
+    T, H, D = q.shape
+    if layout not in LAYOUTS:
+        fail("layout", "'NHD' or 'HND'", repr(layout))
+    check_tensor("k_cache", k_cache, dtype=(q.dtype, torch.float8_e4m3fn), ndim=4,
+                 last_dim_contiguous=True)
+    nb, page, H_kv, d = cache_dims(k_cache, layout)
+    want = tuple(k_cache.shape)
+    if d != D:
+        fail(f"k_cache.shape ({layout})", f"head size {D} as q", want)
+    if H_kv == 0 or H % H_kv:
+        fail(f"k_cache.shape ({layout})", f"H_kv dividing H = {H}", want)
+    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=want, last_dim_contiguous=True)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
+    R, M = block_table.shape
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(R + 1,), contiguous=True)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(R,), contiguous=True)
+    scale, window, softcap = _check_options(q, H, scale, window, softcap, alibi_slopes, sinks)
+    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    scales = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not is_fp8:
+            if s is not None:
+                fail(name, f"None for a {k_cache.dtype} cache (scales dequantize fp8 only)",
+                     "a tensor")
+        elif s is None:
+            s = torch.ones(1, dtype=torch.float32, device=q.device)
+        else:
+            check_tensor(name, s, dtype=torch.float32, shape=(1,))
+        scales.append(s)
+    if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
+        fail("num_splits", "None or an int >= 1", num_splits)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                      cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, out=out,
+                      alibi_slopes=alibi_slopes, sinks=sinks, k_scale=scales[0],
+                      v_scale=scales[1])
+    if T > 0:
+        max_q = _max_query_len(max_query_len, cu_seqlens_q, T, R)
+        _paged_attention_op(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse,
+                            scale, bool(causal), window[0], window[1], softcap, alibi_slopes,
+                            bool(alibi_sqrt), sinks, scales[0], scales[1], layout, max_q,
+                            M * page, num_splits or 0)
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, scale: float,
+                     causal: bool = False, window: tuple = (-1, -1), softcap: float = 0.0,
+                     alibi_slopes: Optional[torch.Tensor] = None, alibi_sqrt: bool = False,
+                     sinks: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                     return_lse: bool = False, max_query_len: Optional[int] = None,
+                     max_kv_len: Optional[int] = None):
+    """Varlen attention over contiguous keys and values, no cache (encoder attention).
+
+    The kernel of `paged_attention` with keys of request r read from rows
+    cu_seqlens_k[r]:cu_seqlens_k[r+1] of k and v.
+
+    Args:
+        q: [Tq, H, D] bf16/fp16, last dim contiguous, D in 1..256.
+        k, v: [Tk, H_kv, D] in q's dtype, last dim contiguous; H % H_kv == 0.
+        cu_seqlens_q, cu_seqlens_k: [R + 1] int32 row offsets of each request in q and in k/v.
+        scale, window, softcap, alibi_slopes (+ alibi_sqrt), sinks, out, return_lse: as in
+            `paged_attention`, with context_len = k_len - q_len (bottom-right aligned).
+        causal: False by default (encoder attention).
+        max_query_len: as in `paged_attention`.
+        max_kv_len: optional python int >= every key length; only bounds the split count of
+            short queries (None: Tk).
+
+    Returns out [Tq, H, D] in q's dtype (and lse [Tq, H] fp32 with return_lse).
+    """
+    out, lse = _check_q_out(q, out, return_lse)
+    T, H, D = q.shape
+    check_tensor("k", k, dtype=q.dtype, shape=(None, None, D), last_dim_contiguous=True)
+    H_kv = k.shape[1]
+    if H_kv == 0 or H % H_kv:
+        fail("k.shape[1] (H_kv)", f"a divisor of H = {H}", H_kv)
+    check_tensor("v", v, dtype=q.dtype, shape=tuple(k.shape), last_dim_contiguous=True)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, contiguous=True)
+    R = cu_seqlens_q.shape[0] - 1
+    if R < 0:
+        fail("cu_seqlens_q.shape", "(R + 1,) with R >= 0", tuple(cu_seqlens_q.shape))
+    check_tensor("cu_seqlens_k", cu_seqlens_k, dtype=torch.int32, shape=(R + 1,), contiguous=True)
+    scale, window, softcap = _check_options(q, H, scale, window, softcap, alibi_slopes, sinks)
+    check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      out=out, alibi_slopes=alibi_slopes, sinks=sinks)
+    if T > 0:
+        max_q = _max_query_len(max_query_len, cu_seqlens_q, T, R)
+        max_kv = k.shape[0] if max_kv_len is None else int(max_kv_len)
+        _varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, bool(causal),
+                             window[0], window[1], softcap, alibi_slopes, bool(alibi_sqrt),
+                             sinks, max_q, max_kv)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,170 @@
+"""Paged KV cache writer for the general MHA/GQA path (vLLM's `reshape_and_cache_flash`).
+
+Caches are [num_blocks, block_size, H_kv, D] ("NHD") or [num_blocks, H_kv, block_size, D]
+("HND"), bf16/fp16, or float8_e4m3fn with one fp32 scale per tensor:
+
+    fp8 = e4m3fn(rne(x_fp32 / scale)), saturating at +-448 (NaN stays NaN)
+
+Token t goes to slot s = slot_mapping[t], that is block s // block_size, offset s % block_size,
+through the caches' real strides (a cache may be a strided view). A slot < 0 is skipped (vLLM
+pads batches with -1).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._validate import check_same_device, check_tensor, fail
+from .mla_formats import FP8_E4M3_MAX
+
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+LAYOUTS = ("NHD", "HND")
+
+
+def cache_dims(cache: torch.Tensor, layout: str):
+    """(num_blocks, block_size, H_kv, D) of a 4-D paged cache in `layout` ("NHD" or "HND")."""
+    if layout == "NHD":
+        nb, bs, h, d = cache.shape
+    else:
+        nb, h, bs, d = cache.shape
+    return nb, bs, h, d
+
+
+def cache_strides(cache: torch.Tensor, layout: str):
+    """(block, token, head) element strides of a paged cache in `layout`; the last dim is unit."""
+    if layout == "NHD":
+        return cache.stride(0), cache.stride(1), cache.stride(2)
+    return cache.stride(0), cache.stride(2), cache.stride(1)
+
+
+@triton.jit
+def _quantize(x, scale_ptr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
+    if IS_FP8:
+        # Correctly rounded division, as the reference's x / scale (a reciprocal multiply is not).
+        y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
+        y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
+        return y.to(dtype, fp_downcast_rounding="rtne")
+    return x.to(dtype)
+
+
+@triton.jit
+def write_kv_cache_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    H, D, NUM_SLOTS, BLOCK_SIZE,
+    s_kt, s_kh, s_vt, s_vh,
+    s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch,
+    IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i_t).to(tl.int64)
+    # Padding tokens (< 0) are skipped; out-of-range slots too (the host check is optional).
+    if (slot >= 0) & (slot < NUM_SLOTS):
+        i_b = slot // BLOCK_SIZE
+        i_o = slot % BLOCK_SIZE
+        o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        o_d = tl.arange(0, BLOCK_D)
+        m_hd = (o_h < H)[:, None] & (o_d < D)[None, :]
+
+        b_k = tl.load(k_ptr + i_t * s_kt + o_h[:, None] * s_kh + o_d[None, :], mask=m_hd)
+        b_v = tl.load(v_ptr + i_t * s_vt + o_h[:, None] * s_vh + o_d[None, :], mask=m_hd)
+        b_k = _quantize(b_k, k_scale_ptr, IS_FP8, FP8_MAX, kc_ptr.dtype.element_ty)
+        b_v = _quantize(b_v, v_scale_ptr, IS_FP8, FP8_MAX, vc_ptr.dtype.element_ty)
+        p_kc = kc_ptr + i_b * s_kcb + i_o * s_kct + o_h[:, None] * s_kch + o_d[None, :]
+        p_vc = vc_ptr + i_b * s_vcb + i_o * s_vct + o_h[:, None] * s_vch + o_d[None, :]
+        tl.store(p_kc, b_k, mask=m_hd)
+        tl.store(p_vc, b_v, mask=m_hd)
+
+
+def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout):
+    T, H, D = key.shape
+    if T == 0 or H == 0:
+        return
+    nb, bs, _, _ = cache_dims(k_cache, layout)
+    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    block_d = triton.next_power_of_2(D)
+    block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_d))
+    scale_k = k_scale if is_fp8 else slot_mapping  # never read unless IS_FP8
+    scale_v = v_scale if is_fp8 else slot_mapping
+    grid = (T, triton.cdiv(H, block_h))
+    write_kv_cache_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping, scale_k, scale_v,
+        H, D, nb * bs, bs,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *cache_strides(k_cache, layout), *cache_strides(v_cache, layout),
+        IS_FP8=is_fp8, FP8_MAX=FP8_E4M3_MAX, BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+
+
+@torch.library.custom_op("openmla::write_kv_cache", mutates_args=("k_cache", "v_cache"))
+def _write_kv_cache_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                       layout: str) -> None:
+    _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout)
+
+
+@_write_kv_cache_op.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout):
+    return None
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                   k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                   layout: str = "NHD", check_slots: bool = True) -> None:
+    """Write new keys and values into paged caches, in place.
+
+    Args:
+        key, value: [T, H_kv, D] bf16/fp16/fp32, last dim contiguous (any token/head strides).
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] ("NHD") or
+            [num_blocks, H_kv, block_size, D] ("HND"), both bf16, both fp16 or both
+            float8_e4m3fn; last dim contiguous, other strides free (strided views welcome).
+        slot_mapping: [T] int32/int64; token t goes to slot s = block * block_size + offset.
+            s < 0 is skipped (padding).
+        k_scale, v_scale: [1] fp32 per-tensor scales, required for an fp8 cache and only there:
+            fp8 = e4m3fn(rne(x_fp32 / scale)), saturating at +-448.
+        layout: "NHD" or "HND".
+        check_slots: when True (default) a slot >= num_blocks * block_size raises ValueError.
+            That check reads slot_mapping on the host: ONE device sync per call. Pass False in
+            the decode/run path (CUDA graphs): out-of-range slots are then skipped in the kernel,
+            never written.
+
+    bf16/fp16 caches receive key.to(cache dtype) (round to nearest even).
+    """
+    if layout not in LAYOUTS:
+        fail("layout", "'NHD' or 'HND'", repr(layout))
+    check_tensor("key", key, dtype=_IN_DTYPES, ndim=3, last_dim_contiguous=True)
+    T, H, D = key.shape
+    check_tensor("value", value, dtype=_IN_DTYPES, shape=(T, H, D), last_dim_contiguous=True)
+    check_tensor("k_cache", k_cache, dtype=_CACHE_DTYPES, ndim=4, last_dim_contiguous=True)
+    nb, bs, h_kv, d = cache_dims(k_cache, layout)
+    want = tuple(k_cache.shape)
+    if (h_kv, d) != (H, D):
+        fail(f"k_cache.shape ({layout})", f"H_kv = {H} and D = {D} as in key",
+             f"H_kv = {h_kv}, D = {d} (shape {want})")
+    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=want, last_dim_contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(T,),
+                 contiguous=True)
+    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if is_fp8:
+            if s is None:
+                fail(name, "a [1] fp32 tensor for a float8_e4m3fn cache", None)
+            check_tensor(name, s, dtype=torch.float32, shape=(1,))
+        elif s is not None:
+            fail(name, f"None for a {k_cache.dtype} cache (scales quantize fp8 only)",
+                 "a tensor")
+    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
+                      slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    if check_slots and T > 0:
+        top = int(slot_mapping.max())  # the one host sync (see check_slots)
+        if top >= nb * bs:
+            fail("slot_mapping", f"slots < num_blocks * block_size = {nb * bs} (or < 0: skip)",
+                 f"max {top}")
+    _write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout)
