@@ -2,8 +2,9 @@
 """Benchmarks: a registry of ops and named shape sets (STYLE.md 14).
 
 For every case: build random inputs (never zeros), check the op against the fp32 oracle on a
-slice of the tokens, then time the op and a torch reference (gather + matmul in bf16) with
-`triton.testing.do_bench` (median), and report bytes/s and FLOP/s against the copy bandwidth and
+slice of the tokens, then time the op and a torch reference (gather + matmul in bf16) as the
+median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`: kernel time, no host
+overhead), and report bytes/s and FLOP/s against the copy bandwidth and
 bf16 matmul rate measured in the same run.
 
     PYTHONPATH=. python3 tools/bench.py --op sparse_mla_decode --shapes standard --out decode.json
@@ -315,8 +316,21 @@ def measure_ceilings(device) -> dict:
     return {"copy_bytes_per_s": copy_bps, "bf16_matmul_flops": 2 * m**3 / (ms * 1e-3)}
 
 
+def kernel_time(fn) -> tuple[float, str]:
+    """Median ms of fn's GPU work: replays of a captured CUDA graph, so host overhead (validation,
+    dispatch, launches) is not counted, as DESIGN.md asks for kernel time. Falls back to plain
+    do_bench (host overhead included) for code that cannot be captured, and says which was used."""
+    from triton.testing import do_bench, do_bench_cudagraph
+    fn()  # compile / autotune outside the capture
+    try:
+        return do_bench_cudagraph(fn, quantiles=[0.5]), "cuda-graph"
+    except Exception as e:  # e.g. a host sync inside fn
+        print(f"    (graph capture failed: {type(e).__name__}; timing eagerly)", file=sys.stderr)
+        torch.cuda.synchronize()
+        return do_bench(fn, quantiles=[0.5]), "eager"
+
+
 def run_case(op: Op, params: dict, device, skip_ref: bool = False) -> Case:
-    from triton.testing import do_bench
     flops, nbytes = op.count(params)
     case = Case(op=op.name, name=op.label(params), params=params, flops=flops, bytes=nbytes)
     x = op.build(params, device)
@@ -324,9 +338,9 @@ def run_case(op: Op, params: dict, device, skip_ref: bool = False) -> Case:
     if not math.isfinite(case.rel_err) or case.rel_err > 2e-2:
         raise RuntimeError(f"{op.name} {case.name}: relative L2 error {case.rel_err:.3g} against the "
                            f"fp32 oracle; refusing to time a wrong result")
-    case.ms = do_bench(lambda: op.run(x), quantiles=[0.5])
+    case.ms, case.extra["timing"] = kernel_time(lambda: op.run(x))
     if not skip_ref:
-        case.ref_ms = do_bench(lambda: op.torch_ref(x), quantiles=[0.5])
+        case.ref_ms, case.extra["ref_timing"] = kernel_time(lambda: op.torch_ref(x))
     del x
     torch.cuda.empty_cache()
     return case

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On a GPU machine: the whole test suite natively, then benchmarks. Logs and JSON go to $OUT.
+#   OUT=out OPENMLA_REV=$(git rev-parse --short HEAD) tools/gpu_run.sh [bench shape set, default standard] [bench op, default all]
+# OPENMLA_AUTOTUNE=0 for the tests: one config per shape class instead of benchmarking every
+# candidate at each new shape (the tests check results, not speed); the benchmarks autotune.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+start=$(date +%s)
+OPENMLA_AUTOTUNE=0 python3 -m pytest tests -q -p no:cacheprovider -rfE ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+echo "tests: $(( $(date +%s) - start )) s"
+if [ "${1:-standard}" != "none" ]; then
+  python3 tools/bench.py --op "${2:-all}" --shapes "${1:-standard}" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+echo "total: $(( $(date +%s) - start )) s"
