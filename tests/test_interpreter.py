@@ -224,7 +224,15 @@ def test_fp8_decodes_every_byte(fmt, dst):
     # Shipped: e4m3 0x7f/0xff decode to +-480, e5m2 inf/NaN to finite values, e5m2 subnormals to 0.
     x = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt)
     y = _cast(x, dst)
-    _assert_same_bits(f"{fmt}->{dst}", y, x.to(dst), x.view(torch.uint8))
+    want = x.to(dst)
+    if not INTERPRET and fmt == E5M2 and dst == torch.bfloat16:
+        # Measured on the H200 (Triton 3.6, sm_90): the compiled e5m2 -> bf16 conversion decodes the
+        # 8 inf/NaN bytes as finite (0x7c -> 65536), unlike torch. No openmla kernel reads e5m2; the
+        # interpreter follows torch. Pin the compiler's behaviour so a change shows up here.
+        special = x.float().isinf() | x.float().isnan()
+        assert int(special.sum()) == 8 and not y.cpu()[special].isinf().any()
+        y, want, x = y[~special.to(y.device)], want[~special], x[~special]
+    _assert_same_bits(f"{fmt}->{dst}", y, want, x.view(torch.uint8))
     if fmt == E4M3:
         assert y[0x7F].isnan() and y[0xFF].isnan()
 
