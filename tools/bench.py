@@ -299,6 +299,75 @@ register(Op(
 
 
 # --------------------------------------------------------------------------------------------
+# General MHA path: paged prefill (next to SDPA) and paged decode (next to the memory roofline)
+def _paged_build(p, device):
+    R, ql, ctx, H, Hkv, D, bs = p["batch"], p["q_len"], p["context"], p["heads"], p["kv_heads"], 128, p["block_size"]
+    per_req = -(-ctx // bs)
+    g = torch.Generator(device=device).manual_seed(0)
+    k_cache = torch.randn(R * per_req, bs, Hkv, D, device=device, generator=g).bfloat16()
+    v_cache = torch.randn(R * per_req, bs, Hkv, D, device=device, generator=g).bfloat16()
+    table = torch.randperm(R * per_req, device=device).view(R, per_req).to(torch.int32)
+    q = torch.randn(R * ql, H, D, device=device, generator=g).bfloat16()
+    cu = torch.arange(R + 1, device=device, dtype=torch.int32) * ql
+    lens = torch.full((R,), ctx, device=device, dtype=torch.int32)
+    return {"q": q, "k": k_cache, "v": v_cache, "table": table, "cu": cu, "lens": lens, "ql": ql, "ctx": ctx,
+            "scale": D ** -0.5}
+
+
+def _paged_run(x):
+    from kernels.paged_attention import paged_attention
+    return paged_attention(x["q"], x["k"], x["v"], x["table"], x["cu"], x["lens"], scale=x["scale"],
+                           causal=True, max_query_len=x["ql"])
+
+
+def _paged_torch(x):
+    """SDPA over each request's K/V gathered out of the cache (the torch reference)."""
+    R, ql = x["lens"].shape[0], x["ql"]
+    ctx, H = x["ctx"], x["q"].shape[1]
+    out = torch.empty_like(x["q"])
+    for r0 in range(0, R, 8):
+        rows = x["table"][r0:r0 + 8].long()
+        k = x["k"][rows].flatten(1, 2)[:, :ctx].transpose(1, 2)  # [r, Hkv, ctx, D]
+        v = x["v"][rows].flatten(1, 2)[:, :ctx].transpose(1, 2)
+        q = x["q"][r0 * ql:(r0 + rows.shape[0]) * ql].view(rows.shape[0], ql, H, -1).transpose(1, 2)
+        # bottom-right causal: query i sees keys <= ctx - ql + i
+        # (no mask for a single query; is_causal, which SDPA's flash path takes, when ql == ctx)
+        mask = None if ql in (1, ctx) else torch.ones(ql, ctx, dtype=torch.bool, device=q.device).tril(ctx - ql)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=ql == ctx > 1,
+                                                             scale=x["scale"], enable_gqa=True)
+        out[r0 * ql:(r0 + rows.shape[0]) * ql] = o.transpose(1, 2).reshape(-1, H, q.shape[-1])
+    return out
+
+
+def _paged_error(x, out):
+    ql = x["ql"]
+    want = reference.paged_attention_ref(x["q"][:ql], x["k"], x["v"], x["table"][:1], x["cu"][:2], x["lens"][:1],
+                                         scale=x["scale"], causal=True)[0]
+    return rel_l2(out[:ql], want)
+
+
+def _paged_count(p):
+    R, ql, ctx, H, Hkv, D = p["batch"], p["q_len"], p["context"], p["heads"], p["kv_heads"], 128
+    visible = ql * ctx - ql * (ql - 1) / 2  # causal, bottom-right: query i sees ctx - ql + 1 + i keys
+    return 4.0 * R * H * D * visible, float(R * ctx * Hkv * D * 2 * 2)  # K and V read once, bf16
+
+
+_PAGED = dict(heads=32, kv_heads=8, block_size=16)
+register(Op(
+    name="paged_attention",
+    shape_sets={
+        "standard": [dict(batch=b, q_len=1, context=32768, **_PAGED) for b in (1, 8, 32, 128)]
+        + [dict(batch=b, q_len=4, context=32768, **_PAGED) for b in (8, 32)]
+        + [dict(batch=1, q_len=8192, context=8192, **_PAGED)],
+        "decode": [dict(batch=b, q_len=1, context=32768, **_PAGED) for b in (1, 8, 32, 128)],
+        "small": [dict(batch=2, q_len=1, context=256, **_PAGED)],
+    },
+    build=_paged_build, run=_paged_run, torch_ref=_paged_torch, error=_paged_error, count=_paged_count,
+    label=lambda p: f"B{p['batch']}-q{p['q_len']}-ctx{p['context']}-H{p['heads']}/{p['kv_heads']}",
+))
+
+
+# --------------------------------------------------------------------------------------------
 # Ceilings measured in the same run, and the timing loop
 def measure_ceilings(device) -> dict:
     """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s, on random data."""
@@ -355,6 +424,47 @@ def git_revision() -> str:
         return os.environ.get("OPENMLA_REV", "unknown")
 
 
+# FlashMLA on the same GPU model (DESIGN.md, Performance): fp8 decode and bf16 prefill, ms.
+FLASHMLA_MS = {
+    ("sparse_mla_decode", "fp8", 128): {128: 0.187, 64: 0.117, 32: 0.117, 16: 0.117},
+    ("sparse_mla_decode", "fp8", 32): {128: 0.067, 64: 0.051, 32: 0.051, 16: 0.051},
+    ("sparse_mla_prefill", None, 4096): {128: 4.19, 64: 2.17, 32: 2.17, 16: 2.33},
+}
+
+
+def flashmla_ms(c: dict) -> float:
+    p = c["params"]
+    return FLASHMLA_MS.get((c["op"], p.get("cache"), p.get("tokens")), {}).get(p.get("heads"), float("nan"))
+
+
+def report(result: dict) -> str:
+    """Markdown for docs/benchmarks.md from a bench JSON: header, then one table per op."""
+    ceil = result["ceilings"]
+    out = [f"{result['device']}, {result['date']}, torch {result['torch']}, triton {result['triton']}, "
+           f"git {result['git']}. Copy bandwidth {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+           f"{ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s (measured in the same run).",
+           f"Command: `PYTHONPATH=. python3 {result['command']}`", ""]
+    ops = sorted({c["op"] for c in result["cases"]})
+    for op in ops:
+        cases = [c for c in result["cases"] if c["op"] == op]
+        has_flash = any(math.isfinite(flashmla_ms(c)) for c in cases)
+        out.append(f"### {op}\n")
+        out.append("| case | ms | FlashMLA ms | FlashMLA / ours | torch ref ms | ref / ours | GB/s | % copy BW "
+                   "| TFLOP/s | % matmul | rel err |" if has_flash else
+                   "| case | ms | torch ref ms | ref / ours | GB/s | % copy BW | TFLOP/s | % matmul | rel err |")
+        out.append("|" + "---|" * (11 if has_flash else 9))
+        for c in cases:
+            bps, fps = c["bytes"] / (c["ms"] * 1e-3), c["flops"] / (c["ms"] * 1e-3)
+            fm = flashmla_ms(c)
+            flash = f" {fm:.3f} | {fm / c['ms']:.2f}x |" if math.isfinite(fm) else " – | – |"
+            out.append(f"| {c['name']} | {c['ms']:.4f} |" + (flash if has_flash else "") +
+                       f" {c['ref_ms']:.4f} | {c['ref_ms'] / c['ms']:.1f}x | {bps / 1e9:.0f} | "
+                       f"{100 * bps / ceil['copy_bytes_per_s']:.0f}% | {fps / 1e12:.1f} | "
+                       f"{100 * fps / ceil['bf16_matmul_flops']:.0f}% | {c['rel_err']:.1e} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def table(cases: list[Case], ceil: dict) -> str:
     lines = ["| op | case | ms | torch ref ms | speedup vs ref | GB/s | % copy BW | TFLOP/s | % matmul | rel err |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -376,7 +486,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
     ap.add_argument("--out", help="write JSON here")
     ap.add_argument("--compare", help="a previous JSON: print time ratios old/new")
+    ap.add_argument("--report", metavar="JSON", help="print markdown for docs/benchmarks.md from a saved run; no GPU")
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            print(report(json.load(f)))
+        return 0
     if not torch.cuda.is_available():
         print("bench.py times kernels on a GPU; none is visible here", file=sys.stderr)
         return 2
