@@ -304,8 +304,8 @@ def _paged_build(p, device):
     R, ql, ctx, H, Hkv, D, bs = p["batch"], p["q_len"], p["context"], p["heads"], p["kv_heads"], 128, p["block_size"]
     per_req = -(-ctx // bs)
     g = torch.Generator(device=device).manual_seed(0)
-    k_cache = torch.randn(R * per_req, bs, Hkv, D, device=device, generator=g).bfloat16()
-    v_cache = torch.randn(R * per_req, bs, Hkv, D, device=device, generator=g).bfloat16()
+    k_cache = torch.randn(R * per_req, bs, Hkv, D, device=device, generator=g, dtype=torch.bfloat16)
+    v_cache = torch.randn(R * per_req, bs, Hkv, D, device=device, generator=g, dtype=torch.bfloat16)
     table = torch.randperm(R * per_req, device=device).view(R, per_req).to(torch.int32)
     q = torch.randn(R * ql, H, D, device=device, generator=g).bfloat16()
     cu = torch.arange(R + 1, device=device, dtype=torch.int32) * ql
