@@ -22,3 +22,14 @@ D_QK = KV_LORA_RANK + ROPE_DIM
 D_V = KV_LORA_RANK
 
 __all__ = ["KV_LORA_RANK", "ROPE_DIM", "D_QK", "D_V"]
+
+from .metadata import (  # noqa: E402  (sparse MLA per-step plan)
+    PrefillChunk,
+    SparseMLAPlan,
+    build_sparse_mla_plan,
+    split_prefill_chunks,
+)
+from .impl import SparseMLAImpl  # noqa: E402  (sparse MLA layer)
+
+__all__ += ["PrefillChunk", "SparseMLAPlan", "build_sparse_mla_plan", "split_prefill_chunks",
+            "SparseMLAImpl"]
