@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.merge import merge_finish, merge_step
+from kernels._device import num_sms
 from quant._validate import check_same_device, check_tensor, fail
 from quant.mla_formats import BF16_MLA, FP8_DS_MLA, mla_format_of
 
@@ -289,21 +290,8 @@ def sparse_mla_decode_merge_kernel(
     tl.store(lse_ptr + i_t * H + o_h, b_lse, mask=m_h)
 
 
-_SM_COUNT: dict = {}
-
-
 def _interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
-
-
-def _num_sms(device: torch.device) -> int:
-    """Multiprocessor count (cached); the CPU interpreter pretends to have 8 so split-K is exercised."""
-    if device.type != "cuda":
-        return 8
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SM_COUNT[key]
 
 
 def _pick_config(H: int) -> dict:
@@ -365,7 +353,7 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, *, config=Non
     block_n = cfg["BLOCK_N"]
     num_hb = triton.cdiv(H, block_h)
     if num_splits is None:
-        num_splits = _pick_splits(T, num_hb, topk, cfg, _num_sms(q.device))
+        num_splits = _pick_splits(T, num_hb, topk, cfg, num_sms(q.device))
     chunk = _split_chunk(topk, num_splits, block_n)
     num_splits = triton.cdiv(topk, chunk)
     split = num_splits > 1

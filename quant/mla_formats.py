@@ -21,6 +21,18 @@ FP8_E4M3_MAX = 448.0
 _SCALE_RULES = ("pow2", "raw")
 
 
+def _check_pack_inputs(fmt, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+    """kv_c [..., latent_dim] and k_pe [..., rope_dim] in a float dtype, same leading shape."""
+    check_tensor("kv_c", kv_c, dtype=(torch.bfloat16, torch.float16, torch.float32))
+    check_tensor("k_pe", k_pe, dtype=(torch.bfloat16, torch.float16, torch.float32))
+    if kv_c.shape[-1] != fmt.latent_dim:
+        fail("kv_c.shape[-1]", fmt.latent_dim, kv_c.shape[-1])
+    if k_pe.shape[-1] != fmt.rope_dim:
+        fail("k_pe.shape[-1]", fmt.rope_dim, k_pe.shape[-1])
+    if kv_c.shape[:-1] != k_pe.shape[:-1]:
+        fail("k_pe.shape[:-1]", tuple(kv_c.shape[:-1]), tuple(k_pe.shape[:-1]))
+
+
 @dataclass(frozen=True)
 class FP8DSMLAFormat:
     """fp8_ds_mla: per-128-element-tile fp32 scales, fp8 e4m3fn latent, bf16 rope.
@@ -93,14 +105,7 @@ class FP8DSMLAFormat:
 
         The rope bytes are k_pe converted to bf16 (verbatim when it is bf16).
         """
-        check_tensor("kv_c", kv_c, dtype=(torch.bfloat16, torch.float16, torch.float32))
-        check_tensor("k_pe", k_pe, dtype=(torch.bfloat16, torch.float16, torch.float32))
-        if kv_c.shape[-1] != self.latent_dim:
-            fail("kv_c.shape[-1]", self.latent_dim, kv_c.shape[-1])
-        if k_pe.shape[-1] != self.rope_dim:
-            fail("k_pe.shape[-1]", self.rope_dim, k_pe.shape[-1])
-        if kv_c.shape[:-1] != k_pe.shape[:-1]:
-            fail("k_pe.shape[:-1]", tuple(kv_c.shape[:-1]), tuple(k_pe.shape[:-1]))
+        _check_pack_inputs(self, kv_c, k_pe)
         lead = kv_c.shape[:-1]
         tiles = kv_c.reshape(*lead, self.num_tiles, self.tile_size)
         amax = tiles.abs().amax(dim=-1).float()  # exact in the input dtype, then widened
@@ -160,14 +165,7 @@ class BF16MLAFormat:
 
     def pack(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """kv_c [..., 512], k_pe [..., 64] -> [..., 576] bf16 (rounded to nearest even)."""
-        check_tensor("kv_c", kv_c, dtype=(torch.bfloat16, torch.float16, torch.float32))
-        check_tensor("k_pe", k_pe, dtype=(torch.bfloat16, torch.float16, torch.float32))
-        if kv_c.shape[-1] != self.latent_dim:
-            fail("kv_c.shape[-1]", self.latent_dim, kv_c.shape[-1])
-        if k_pe.shape[-1] != self.rope_dim:
-            fail("k_pe.shape[-1]", self.rope_dim, k_pe.shape[-1])
-        if kv_c.shape[:-1] != k_pe.shape[:-1]:
-            fail("k_pe.shape[:-1]", tuple(kv_c.shape[:-1]), tuple(k_pe.shape[:-1]))
+        _check_pack_inputs(self, kv_c, k_pe)
         return torch.cat([kv_c.to(torch.bfloat16), k_pe.to(torch.bfloat16)], dim=-1)
 
     def unpack(self, cache: torch.Tensor) -> torch.Tensor:
