@@ -33,3 +33,18 @@ from .impl import SparseMLAImpl  # noqa: E402  (sparse MLA layer)
 
 __all__ += ["PrefillChunk", "SparseMLAPlan", "build_sparse_mla_plan", "split_prefill_chunks",
             "SparseMLAImpl"]
+
+from .local_attention import (  # noqa: E402  (chunked local attention virtual batches)
+    LocalAttentionBatch,
+    make_local_attention_virtual_batches,
+)
+from .attention import (  # noqa: E402  (general MHA/GQA layer over a paged cache)
+    AttentionPlan,
+    AttentionSubPlan,
+    CascadePlan,
+    PagedAttentionImpl,
+    build_attention_plan,
+)
+
+__all__ += ["LocalAttentionBatch", "make_local_attention_virtual_batches", "AttentionPlan",
+            "AttentionSubPlan", "CascadePlan", "PagedAttentionImpl", "build_attention_plan"]
