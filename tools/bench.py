@@ -2,13 +2,23 @@
 """Benchmarks: a registry of ops and named shape sets (STYLE.md 14).
 
 For every case: build random inputs (never zeros), check the op against the fp32 oracle on a
-slice of the tokens, then time the op and a torch reference (gather + matmul in bf16) as the
-median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`: kernel time, no host
-overhead), and report bytes/s and FLOP/s against the copy bandwidth and
+slice of the tokens, then time the op and a torch reference (gather + matmul in bf16, SDPA for
+the MHA path) as the median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`: kernel
+time, no host overhead), and report bytes/s and FLOP/s against the copy bandwidth and
 bf16 matmul rate measured in the same run.
 
     PYTHONPATH=. python3 tools/bench.py --op sparse_mla_decode --shapes standard --out decode.json
     PYTHONPATH=. python3 tools/bench.py --op all --compare old.json
+    python tools/bench.py --shapes small      # no GPU: Triton interpreter, timings meaningless
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set here) and
+only the `small` shape sets are accepted. The interpreter computes some things silently wrong
+(bf16/fp8 tl.dot operands, float->bf16/fp8 rounding; tests/conftest.py corrects them for the
+tests, tools do not use test code), so on a CPU an op's result is checked only where it does
+not depend on those defects (each op's `interpreter_exact`); elsewhere the check reads
+"n/a (interpreter)". The one change made to Triton here is that the autotuner, which would
+time configs on a GPU driver, takes the first config its prune function keeps: that picks a
+config, it never changes what a config computes.
 """
 from __future__ import annotations
 
@@ -19,15 +29,26 @@ import math
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
+# No GPU: run the kernels in Triton's interpreter (set before triton is imported).
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+if not GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from triton.runtime.errors import InterpreterError  # noqa: E402
+
 from kernels import reference  # noqa: E402
-from quant import BF16_MLA, FP8_DS_MLA  # noqa: E402
+from quant import BF16_MLA, FP8_DS_MLA, FP8_E4M3_MAX  # noqa: E402
+
+CPU_WARNING = ("WARNING: no GPU: kernels ran in Triton's interpreter on the CPU. The times below "
+               "measure the interpreter and the CPU, not the kernels: do not read them as speed.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,6 +81,9 @@ class Op:
     error: Callable  # inputs, op output -> relative error against the oracle (0 = exact)
     count: Callable  # params -> (flops, bytes)
     label: Callable  # params -> case name
+    # params -> True when the op's result does not depend on the Triton interpreter's numeric
+    # defects (integer work, fp32 math, plain copies), so a CPU run can check it
+    interpreter_exact: Callable = lambda p: False
 
 
 REGISTRY: dict[str, Op] = {}
@@ -245,9 +269,10 @@ register(Op(
     name="write_mla_cache",
     shape_sets={"standard": [dict(cache=c, tokens=t, slots=262144, block_size=64)
                              for c in ("fp8", "bf16") for t in (128, 32768)],
-                "small": [dict(cache="fp8", tokens=16, slots=1024, block_size=64)]},
+                "small": [dict(cache=c, tokens=16, slots=1024, block_size=64) for c in ("fp8", "bf16")]},
     build=_write_build, run=_write_run, torch_ref=_write_torch, error=_write_error, count=_write_count,
     label=lambda p: f"{p['cache']}-T{p['tokens']}",
+    interpreter_exact=lambda p: p["cache"] == "bf16",  # bf16 in, bf16 out: a copy
 ))
 
 
@@ -368,9 +393,230 @@ register(Op(
 
 
 # --------------------------------------------------------------------------------------------
+# merge_attn_states (cascade attention, split-KV merges)
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _merge_build(p, device):
+    T, H, D, dt = p["tokens"], p["heads"], p["head_dim"], _DTYPES[p["dtype"]]
+    g = torch.Generator(device=device).manual_seed(0)
+    x = {n: torch.randn(T, H, D, device=device, generator=g).to(dt) for n in ("a", "b")}
+    for n in ("a_lse", "b_lse"):  # spread so that both parts dominate somewhere
+        x[n] = torch.randn(T, H, device=device, generator=g) * 3 + 5
+    x["out"] = torch.empty(T, H, D, device=device, dtype=dt)
+    x["out_lse"] = torch.empty(T, H, device=device)
+    return x
+
+
+def _merge_run(x):
+    from kernels.merge import merge_attn_states
+    merge_attn_states(x["out"], x["a"], x["a_lse"], x["b"], x["b_lse"], out_lse=x["out_lse"])
+    return x["out"]
+
+
+def _merge_torch(x):  # what a torch fallback does: fp32 weights from the two lse
+    lse = torch.logaddexp(x["a_lse"], x["b_lse"])
+    wa, wb = (x["a_lse"] - lse).exp().unsqueeze(-1), (x["b_lse"] - lse).exp().unsqueeze(-1)
+    x["out"].copy_(x["a"].float() * wa + x["b"].float() * wb)
+    x["out_lse"].copy_(lse)
+    return x["out"]
+
+
+def _merge_error(x, out):
+    return rel_l2(out, reference.merge_attn_states_ref(x["a"], x["a_lse"], x["b"], x["b_lse"])[0])
+
+
+def _merge_count(p):
+    elt = 2 if p["dtype"] == "bf16" else 4
+    return 0.0, float(p["tokens"] * p["heads"] * (3 * p["head_dim"] * elt + 3 * 4))  # 2 in + out, 3 lse
+
+
+register(Op(
+    name="merge_attn_states",
+    shape_sets={"standard": [dict(tokens=t, heads=h, head_dim=d, dtype="bf16")
+                             for t, h, d in ((4096, 32, 128), (65536, 32, 128), (128, 128, 512), (4096, 16, 512))],
+                "small": [dict(tokens=8, heads=4, head_dim=64, dtype="fp32")]},
+    build=_merge_build, run=_merge_run, torch_ref=_merge_torch, error=_merge_error, count=_merge_count,
+    label=lambda p: f"T{p['tokens']}-H{p['heads']}-D{p['head_dim']}-{p['dtype']}",
+    interpreter_exact=lambda p: p["dtype"] == "fp32",  # fp32 loads, math and stores
+))
+
+
+# --------------------------------------------------------------------------------------------
+# convert_req_index_to_global (sparse MLA: per-request top-k token index -> global cache slot)
+def _convert_build(p, device):
+    T, K, R, M, bs = p["tokens"], p["topk"], p["requests"], p["max_blocks"], p["block_size"]
+    g = torch.Generator(device=device).manual_seed(0)
+    idx = torch.randint(0, M * bs, (T, K), device=device, generator=g, dtype=torch.int32)
+    idx[torch.rand(T, K, device=device, generator=g) < 0.05] = -1  # topk padding
+    return {"req_id": (torch.arange(T, device=device) % R).to(torch.int32),
+            "table": torch.randperm(R * M + 7, device=device)[:R * M].view(R, M).to(torch.int32),
+            "idx": idx, "bs": bs}
+
+
+def _convert_run(x):
+    from kernels.index import convert_req_index_to_global
+    return convert_req_index_to_global(x["req_id"], x["table"], x["idx"], x["bs"])
+
+
+def _convert_torch(x):
+    return reference.convert_req_index_ref(x["req_id"], x["table"], x["idx"], x["bs"])
+
+
+def _convert_error(x, out):
+    return float(not torch.equal(out, reference.convert_req_index_ref(x["req_id"], x["table"], x["idx"], x["bs"])))
+
+
+register(Op(
+    name="convert_req_index_to_global",
+    shape_sets={"standard": [dict(tokens=t, topk=2048, requests=r, max_blocks=512, block_size=64)
+                             for t, r in ((128, 128), (4096, 4))],
+                "small": [dict(tokens=8, topk=100, requests=2, max_blocks=8, block_size=16)]},
+    build=_convert_build, run=_convert_run, torch_ref=_convert_torch, error=_convert_error,
+    count=lambda p: (0.0, float(p["tokens"] * p["topk"] * 4 * 3)),  # index in, table entry, slot out
+    label=lambda p: f"T{p['tokens']}-topk{p['topk']}-R{p['requests']}",
+    interpreter_exact=lambda p: True,  # integer work only
+))
+
+
+# --------------------------------------------------------------------------------------------
+# write_kv_cache (MHA paged cache writer, bf16 or fp8 per-tensor)
+def fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """quant/kv_cache.py's rule in torch: e4m3fn(rne(x_fp32 / scale)), saturating at +-448."""
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _kvw_build(p, device):
+    T, H, D, bs = p["tokens"], p["kv_heads"], p["head_dim"], p["block_size"]
+    nb = p["slots"] // bs
+    dt = torch.float8_e4m3fn if p["cache"] == "fp8" else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    k = torch.randn(T, H, D, device=device, generator=g).bfloat16()
+    v = torch.randn(T, H, D, device=device, generator=g).bfloat16()
+    fp8 = p["cache"] == "fp8"
+    return {"k": k, "v": v, "kc": torch.empty(nb, bs, H, D, device=device, dtype=dt),
+            "vc": torch.empty(nb, bs, H, D, device=device, dtype=dt),
+            "slots": torch.randperm(p["slots"], device=device)[:T].to(torch.int32),
+            "k_scale": (k.float().abs().amax() / FP8_E4M3_MAX).reshape(1) if fp8 else None,
+            "v_scale": (v.float().abs().amax() / FP8_E4M3_MAX).reshape(1) if fp8 else None}
+
+
+def _kvw_run(x):
+    from quant.kv_cache import write_kv_cache
+    write_kv_cache(x["k"], x["v"], x["kc"], x["vc"], x["slots"], k_scale=x["k_scale"], v_scale=x["v_scale"],
+                   check_slots=False)
+    return x["kc"]
+
+
+def _kvw_quant(x, name):
+    t, s = x[name], x[name[0] + "_scale"]
+    return t.to(x["kc"].dtype) if s is None else fp8_per_tensor(t, s)
+
+
+def _kvw_torch(x):  # quantize, then scatter the rows
+    for name, cache in (("k", x["kc"]), ("v", x["vc"])):
+        flat, rows = cache.view(-1, *cache.shape[2:]), _kvw_quant(x, name)
+        if flat.dtype == torch.float8_e4m3fn:  # no fp8 index_copy on the CPU: copy the bytes
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+        flat.index_copy_(0, x["slots"].long(), rows)
+    return x["kc"]
+
+
+def _kvw_error(x, kc):
+    for name, cache in (("k", kc), ("v", x["vc"])):
+        rows = cache.view(-1, *cache.shape[2:])[x["slots"].long()]
+        if not torch.equal(rows.view(torch.uint8), _kvw_quant(x, name).view(torch.uint8)):
+            return 1.0
+    return 0.0  # byte-identical
+
+
+def _kvw_count(p):
+    cache_elt = 1 if p["cache"] == "fp8" else 2
+    return 0.0, float(2 * p["tokens"] * p["kv_heads"] * p["head_dim"] * (2 + cache_elt))  # K and V: bf16 in, cache out
+
+
+register(Op(
+    name="write_kv_cache",
+    shape_sets={"standard": [dict(cache=c, tokens=t, kv_heads=8, head_dim=128, slots=65536, block_size=16)
+                             for c in ("bf16", "fp8") for t in (128, 8192)],
+                "small": [dict(cache=c, tokens=16, kv_heads=2, head_dim=64, slots=256, block_size=16)
+                          for c in ("bf16", "fp8")]},
+    build=_kvw_build, run=_kvw_run, torch_ref=_kvw_torch, error=_kvw_error,
+    count=_kvw_count,
+    label=lambda p: f"{p['cache']}-T{p['tokens']}-Hkv{p['kv_heads']}-D{p['head_dim']}",
+    interpreter_exact=lambda p: p["cache"] == "bf16",  # bf16 in, bf16 out: a copy
+))
+
+
+# --------------------------------------------------------------------------------------------
+# varlen_attention (contiguous K/V, no cache: prefill without a cache, encoder attention), next to SDPA
+def _varlen_build(p, device):
+    R, L, H, Hkv, D = p["batch"], p["seq"], p["heads"], p["kv_heads"], p["head_dim"]
+    g = torch.Generator(device=device).manual_seed(0)
+    cu = torch.arange(R + 1, device=device, dtype=torch.int32) * L
+    return {"q": torch.randn(R * L, H, D, device=device, generator=g).bfloat16(),
+            "k": torch.randn(R * L, Hkv, D, device=device, generator=g).bfloat16(),
+            "v": torch.randn(R * L, Hkv, D, device=device, generator=g).bfloat16(),
+            "cu": cu, "R": R, "L": L, "causal": p["causal"], "scale": D ** -0.5}
+
+
+def _varlen_run(x):
+    from kernels.paged_attention import varlen_attention
+    return varlen_attention(x["q"], x["k"], x["v"], x["cu"], x["cu"], scale=x["scale"], causal=x["causal"],
+                            max_query_len=x["L"], max_kv_len=x["L"])
+
+
+def _varlen_torch(x):
+    R, L = x["R"], x["L"]
+    q, k, v = (x[n].view(R, L, x[n].shape[1], -1).transpose(1, 2) for n in ("q", "k", "v"))
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=x["causal"], scale=x["scale"],
+                                                         enable_gqa=True)
+    return o.transpose(1, 2).reshape(R * L, q.shape[1], -1)
+
+
+def _varlen_error(x, out):
+    # The last CHECK_ROWS queries of the first request (they see the most keys when causal).
+    L = x["L"]
+    n = min(L, CHECK_ROWS)
+    cu_q = torch.tensor([0, n], dtype=torch.int32, device=out.device)
+    cu_k = torch.tensor([0, L], dtype=torch.int32, device=out.device)
+    want = reference.attention_varlen_ref(x["q"][L - n:L], x["k"][:L], x["v"][:L], cu_q, cu_k, scale=x["scale"],
+                                          causal=x["causal"])[0]
+    return rel_l2(out[L - n:L], want)
+
+
+CHECK_ROWS = 256
+
+
+def _varlen_count(p):
+    R, L, H, Hkv, D = p["batch"], p["seq"], p["heads"], p["kv_heads"], p["head_dim"]
+    pairs = L * (L + 1) / 2 if p["causal"] else L * L
+    return 4.0 * R * H * D * pairs, float(R * L * (2 * H + 2 * Hkv) * D * 2)  # q, k, v in, out; bf16
+
+
+register(Op(
+    name="varlen_attention",
+    shape_sets={"standard": [dict(batch=1, seq=8192, heads=32, kv_heads=8, head_dim=128, causal=True),
+                             dict(batch=8, seq=2048, heads=32, kv_heads=8, head_dim=128, causal=True),
+                             dict(batch=16, seq=1024, heads=16, kv_heads=16, head_dim=64, causal=False)],
+                "small": [dict(batch=2, seq=64, heads=4, kv_heads=2, head_dim=64, causal=True)]},
+    build=_varlen_build, run=_varlen_run, torch_ref=_varlen_torch, error=_varlen_error, count=_varlen_count,
+    label=lambda p: f"B{p['batch']}-L{p['seq']}-H{p['heads']}/{p['kv_heads']}-D{p['head_dim']}"
+                    f"{'-causal' if p['causal'] else ''}",
+))
+
+
+# --------------------------------------------------------------------------------------------
 # Ceilings measured in the same run, and the timing loop
 def measure_ceilings(device) -> dict:
     """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s, on random data."""
+    if device.type != "cuda":  # the CPU's own, for the record (interpreter runs are not compared to it)
+        a = torch.randn(1 << 24, dtype=torch.bfloat16)
+        b = torch.empty_like(a)
+        copy_s = _cpu_seconds(lambda: b.copy_(a), 5)
+        x = torch.randn(512, 512, dtype=torch.bfloat16)
+        mm_s = _cpu_seconds(lambda: x @ x, 5)
+        return {"copy_bytes_per_s": 2 * a.numel() * 2 / copy_s, "bf16_matmul_flops": 2 * 512**3 / mm_s}
     from triton.testing import do_bench
     n = 1 << 29  # 1 GiB of bf16 per buffer: several times the L2
     a = torch.randn(n, device=device, dtype=torch.bfloat16)
@@ -383,6 +629,16 @@ def measure_ceilings(device) -> dict:
     y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     ms = do_bench(lambda: x @ y, quantiles=[0.5])
     return {"copy_bytes_per_s": copy_bps, "bf16_matmul_flops": 2 * m**3 / (ms * 1e-3)}
+
+
+def _cpu_seconds(fn, reps: int) -> float:
+    """Median wall time of reps calls (CPU: no device to synchronize)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def kernel_time(fn) -> tuple[float, str]:
@@ -399,19 +655,54 @@ def kernel_time(fn) -> tuple[float, str]:
         return do_bench(fn, quantiles=[0.5]), "eager"
 
 
+def _interpreter_autotune() -> None:
+    """Under the interpreter, Triton 3.6's autotuner would time every config that pruning keeps,
+    which needs a GPU driver. Report equal times: min() then keeps the first config the kernel's
+    prune function keeps. This picks a config; it changes nothing a config computes."""
+    from triton.runtime import autotuner
+    if not hasattr(autotuner.Autotuner, "_bench"):
+        raise RuntimeError("bench.py: triton.runtime.autotuner.Autotuner._bench is gone (Triton upgrade?); "
+                           "the interpreter runs need a new way to skip config timing")
+    autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
+
+
 def run_case(op: Op, params: dict, device, skip_ref: bool = False) -> Case:
     flops, nbytes = op.count(params)
     case = Case(op=op.name, name=op.label(params), params=params, flops=flops, bytes=nbytes)
     x = op.build(params, device)
-    case.rel_err = op.error(x, op.run(x))
-    if not math.isfinite(case.rel_err) or case.rel_err > 2e-2:
-        raise RuntimeError(f"{op.name} {case.name}: relative L2 error {case.rel_err:.3g} against the "
-                           f"fp32 oracle; refusing to time a wrong result")
-    case.ms, case.extra["timing"] = kernel_time(lambda: op.run(x))
+    if device.type == "cuda":
+        out = op.run(x)
+        check = True
+    else:  # interpreter: one run is both the check and the (meaningless) time
+        check = op.interpreter_exact(params)
+        t0 = time.perf_counter()
+        try:
+            out = op.run(x)
+        except InterpreterError as e:
+            if check:
+                raise
+            # e.g. libdevice calls, which Triton 3.6's interpreter does not implement
+            case.extra["check"] = f"not run (the interpreter raised {str(e).split('(')[0]})"
+            return case
+        case.ms, case.extra["timing"] = (time.perf_counter() - t0) * 1e3, "interpreter, 1 run"
+    if check:
+        case.rel_err = op.error(x, out)
+        case.extra["check"] = "oracle"
+        if not math.isfinite(case.rel_err) or case.rel_err > 2e-2:
+            raise RuntimeError(f"{op.name} {case.name}: relative L2 error {case.rel_err:.3g} against the "
+                               f"fp32 oracle; refusing to time a wrong result")
+    else:
+        case.extra["check"] = "n/a (interpreter)"
+    if device.type == "cuda":
+        case.ms, case.extra["timing"] = kernel_time(lambda: op.run(x))
     if not skip_ref:
-        case.ref_ms, case.extra["ref_timing"] = kernel_time(lambda: op.torch_ref(x))
+        if device.type == "cuda":
+            case.ref_ms, case.extra["ref_timing"] = kernel_time(lambda: op.torch_ref(x))
+        else:
+            case.ref_ms, case.extra["ref_timing"] = _cpu_seconds(lambda: op.torch_ref(x), 3) * 1e3, "cpu, median of 3"
     del x
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return case
 
 
@@ -437,30 +728,48 @@ def flashmla_ms(c: dict) -> float:
     return FLASHMLA_MS.get((c["op"], p.get("cache"), p.get("tokens")), {}).get(p.get("heads"), float("nan"))
 
 
+def _err(c: dict) -> str:
+    """The check column: the relative error, or why there is none."""
+    check = c.get("extra", {}).get("check", "oracle")
+    return f"{c['rel_err']:.1e}" if check == "oracle" else check
+
+
+def _row(c: dict, ceil: dict, flash: str = "") -> str:
+    """The numeric columns after the case name: ms, [FlashMLA], ref, ratio, bytes/s, FLOP/s, check
+    ('–' where the case did not run)."""
+    if not math.isfinite(c["ms"]):
+        return f" – |{flash} – | – | – | – | – | – | {_err(c)} |"
+    bps, fps = c["bytes"] / (c["ms"] * 1e-3), c["flops"] / (c["ms"] * 1e-3)
+    return (f" {c['ms']:.4f} |{flash} {c['ref_ms']:.4f} | {c['ref_ms'] / c['ms']:.1f}x | {bps / 1e9:.0f} | "
+            f"{100 * bps / ceil['copy_bytes_per_s']:.0f}% | {fps / 1e12:.1f} | "
+            f"{100 * fps / ceil['bf16_matmul_flops']:.0f}% | {_err(c)} |")
+
+
 def report(result: dict) -> str:
-    """Markdown for docs/benchmarks.md from a bench JSON: header, then one table per op."""
+    """Markdown for docs/benchmarks.md from a bench JSON: header, then one table per op, each with
+    the device, date and command above it."""
     ceil = result["ceilings"]
     out = [f"{result['device']}, {result['date']}, torch {result['torch']}, triton {result['triton']}, "
            f"git {result['git']}. Copy bandwidth {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
            f"{ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s (measured in the same run).",
            f"Command: `PYTHONPATH=. python3 {result['command']}`", ""]
+    if result.get("warning"):
+        out += [f"**{result['warning']}**", ""]
+    caption = f"_{result['device']}, {result['date']}: `{result['command']}`_"
     ops = sorted({c["op"] for c in result["cases"]})
     for op in ops:
         cases = [c for c in result["cases"] if c["op"] == op]
         has_flash = any(math.isfinite(flashmla_ms(c)) for c in cases)
         out.append(f"### {op}\n")
+        out.append(caption + "\n")
         out.append("| case | ms | FlashMLA ms | FlashMLA / ours | torch ref ms | ref / ours | GB/s | % copy BW "
                    "| TFLOP/s | % matmul | rel err |" if has_flash else
                    "| case | ms | torch ref ms | ref / ours | GB/s | % copy BW | TFLOP/s | % matmul | rel err |")
         out.append("|" + "---|" * (11 if has_flash else 9))
         for c in cases:
-            bps, fps = c["bytes"] / (c["ms"] * 1e-3), c["flops"] / (c["ms"] * 1e-3)
             fm = flashmla_ms(c)
             flash = f" {fm:.3f} | {fm / c['ms']:.2f}x |" if math.isfinite(fm) else " – | – |"
-            out.append(f"| {c['name']} | {c['ms']:.4f} |" + (flash if has_flash else "") +
-                       f" {c['ref_ms']:.4f} | {c['ref_ms'] / c['ms']:.1f}x | {bps / 1e9:.0f} | "
-                       f"{100 * bps / ceil['copy_bytes_per_s']:.0f}% | {fps / 1e12:.1f} | "
-                       f"{100 * fps / ceil['bf16_matmul_flops']:.0f}% | {c['rel_err']:.1e} |")
+            out.append(f"| {c['name']} |" + _row(c, ceil, flash if has_flash else ""))
         out.append("")
     return "\n".join(out)
 
@@ -469,19 +778,15 @@ def table(cases: list[Case], ceil: dict) -> str:
     lines = ["| op | case | ms | torch ref ms | speedup vs ref | GB/s | % copy BW | TFLOP/s | % matmul | rel err |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
-        bps = c.bytes / (c.ms * 1e-3)
-        fps = c.flops / (c.ms * 1e-3)
-        lines.append(
-            f"| {c.op} | {c.name} | {c.ms:.4f} | {c.ref_ms:.4f} | {c.ref_ms / c.ms:.1f}x | {bps / 1e9:.0f} | "
-            f"{100 * bps / ceil['copy_bytes_per_s']:.0f}% | {fps / 1e12:.1f} | "
-            f"{100 * fps / ceil['bf16_matmul_flops']:.0f}% | {c.rel_err:.1e} |")
+        lines.append(f"| {c.op} | {c.name} |" + _row(asdict(c), ceil))
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--op", default="all", help=f"one of {sorted(REGISTRY)} or 'all'")
-    ap.add_argument("--shapes", default="standard", help="shape set name (standard, small, ...)")
+    ap.add_argument("--op", default="all", help=f"'all', or one or more (comma-separated) of {sorted(REGISTRY)}")
+    ap.add_argument("--shapes", default=None, help="shape set name (standard, small, ...); default: standard "
+                    "on a GPU, small without one")
     ap.add_argument("--heads", type=int, nargs="*", help="only these head counts")
     ap.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
     ap.add_argument("--out", help="write JSON here")
@@ -492,37 +797,46 @@ def main(argv=None) -> int:
         with open(args.report) as f:
             print(report(json.load(f)))
         return 0
-    if not torch.cuda.is_available():
-        print("bench.py times kernels on a GPU; none is visible here", file=sys.stderr)
-        return 2
-    names = sorted(REGISTRY) if args.op == "all" else [args.op]
+    shapes = args.shapes or ("standard" if GPU else "small")
+    if not GPU and shapes != "small":
+        ap.error(f"--shapes {shapes}: without a GPU only the 'small' shape sets run (Triton's interpreter)")
+    names = sorted(REGISTRY) if args.op == "all" else args.op.split(",")
     for n in names:
         if n not in REGISTRY:
-            ap.error(f"--op: expected one of {sorted(REGISTRY)} or 'all', got {n!r}")
-    device = torch.device("cuda")
+            ap.error(f"--op: expected 'all' or names from {sorted(REGISTRY)}, got {n!r}")
+        if shapes not in REGISTRY[n].shape_sets:
+            ap.error(f"--shapes: {n} has {sorted(REGISTRY[n].shape_sets)}, got {shapes!r}")
     import triton
+    if GPU:
+        device, device_name = torch.device("cuda"), torch.cuda.get_device_name()
+    else:
+        device, device_name = torch.device("cpu"), "cpu (Triton interpreter)"
+        print(CPU_WARNING, file=sys.stderr, flush=True)
+        _interpreter_autotune()
     ceil = measure_ceilings(device)
-    print(f"# {torch.cuda.get_device_name()} | copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s | "
+    print(f"# {device_name} | copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s | "
           f"bf16 matmul {ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    if not GPU:
+        print(f"# {CPU_WARNING}", flush=True)
     cases = []
     for n in names:
         op = REGISTRY[n]
-        if args.shapes not in op.shape_sets:
-            ap.error(f"--shapes: {n} has {sorted(op.shape_sets)}, got {args.shapes!r}")
-        for p in op.shape_sets[args.shapes]:
+        for p in op.shape_sets[shapes]:
             if args.heads and p.get("heads") not in args.heads:
                 continue
             c = run_case(op, p, device, skip_ref=args.no_ref)
-            print(f"  {c.op} {c.name}: {c.ms:.4f} ms (torch ref {c.ref_ms:.4f} ms), rel err {c.rel_err:.1e}",
-                  flush=True)
+            print(f"  {c.op} {c.name}: {c.ms:.4f} ms (torch ref {c.ref_ms:.4f} ms), rel err {_err(asdict(c))}",
+                  file=sys.stderr if not GPU else sys.stdout, flush=True)
             cases.append(c)
     print(table(cases, ceil))
     result = {
-        "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+        "device": device_name, "date": datetime.date.today().isoformat(),
         "torch": torch.__version__, "triton": triton.__version__, "git": git_revision(),
         "command": " ".join(["tools/bench.py"] + (argv if argv is not None else sys.argv[1:])),
         "ceilings": ceil, "cases": [asdict(c) for c in cases],
     }
+    if not GPU:
+        result["warning"] = CPU_WARNING
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
