@@ -14,7 +14,7 @@ R times. Cascade attention (vLLM's FlashAttention backend, FlashInfer's cascade)
 
 The result equals `paged_attention` over the whole context. The prefix must be whole blocks
 (vLLM asserts it; its model runner rounds the shared prefix down to whole blocks, as
-`mla.attention.build_attention_plan` does) and no longer than any request's context
+`mla.attention_plan.build_attention_plan` does) and no longer than any request's context
 (seq_len - q_len): the prefix keys are then visible to every query. Sliding windows and ALiBi
 depend on each query's own position and are not supported (as in vLLM).
 
@@ -156,7 +156,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             None: as paged_attention (may read cu_seqlens_q once).
         prefix_cu_seqlens_q: [2] int32 = [0, cu_seqlens_q[R]]; prefix_seq_lens: [1] int32 =
             [common_prefix_len]; suffix_seq_lens: [R] int32 = seq_lens - common_prefix_len.
-            Device tensors a plan builds once per step (mla.attention.build_attention_plan);
+            Device tensors a plan builds once per step (mla.attention_plan.build_attention_plan);
             computed here on the device when None (no host sync either way).
 
     Returns out [T, H, D] in q's dtype (and lse [T, H] fp32 with return_lse), equal to

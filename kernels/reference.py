@@ -25,6 +25,7 @@ __all__ = [
     "sparse_mla_decode_ref",
     "paged_attention_ref",
     "attention_varlen_ref",
+    "local_attention_ref",
     "merge_attn_states_ref",
     "convert_req_index_ref",
 ]
@@ -351,6 +352,55 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens
                          sinks=sinks)
         out[cq[r]:cq[r + 1]] = o.float()
         lse[cq[r]:cq[r + 1]] = l.float()
+    return out, lse
+
+
+def local_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *,
+                        attn_chunk_size, scale, softcap=0.0, sinks=None, k_scale=None,
+                        v_scale=None, layout="NHD"):
+    """Chunked local attention (Llama 4's iRoPE layers) over a paged KV cache, from the maths.
+
+    Positions are cut into chunks of C = attn_chunk_size: the query at position p (context_len + i,
+    bottom-right aligned as in paged_attention_ref) attends causally within its own chunk, keys
+    p - p % C .. p. Each query token is computed alone as paged_attention_ref with window
+    (p % C, 0) over its request's real block table: nothing here knows of vLLM's virtual batches
+    (`mla.local_attention`), which is what makes this an oracle for them.
+
+    Args:
+        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, softcap, sinks,
+            k_scale, v_scale, layout: as paged_attention_ref (seq_lens[r] >= its query length).
+        attn_chunk_size: C, a positive int.
+
+    Returns (out [T, H, D] fp32, lse [T, H] fp32 natural log). Rows past cu_seqlens_q[-1] belong
+    to no request: out 0, lse -inf.
+    """
+    check_tensor("q", q, dtype=_FLOATS, ndim=3)
+    T, H, D = q.shape
+    if (isinstance(attn_chunk_size, bool) or not isinstance(attn_chunk_size, int)
+            or attn_chunk_size < 1):
+        fail("attn_chunk_size", "a positive int", repr(attn_chunk_size))
+    check_tensor("block_table", block_table, dtype=_INTS, ndim=2, device=q.device)
+    R = block_table.shape[0]
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=_INTS, shape=(R + 1,))
+    check_tensor("seq_lens", seq_lens, dtype=_INTS, shape=(R,))
+    cq, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    if cq[0] != 0 or any(b < a for a, b in zip(cq, cq[1:])) or cq[-1] > T:
+        fail("cu_seqlens_q", f"non-decreasing from 0 to at most {T}", cq)
+    out = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((T, H), _NEG_INF, dtype=torch.float32, device=q.device)
+    one = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
+    for r in range(R):
+        ctx = lens[r] - (cq[r + 1] - cq[r])
+        if ctx < 0:
+            fail(f"seq_lens[{r}]", f">= its query length {cq[r + 1] - cq[r]}", lens[r])
+        for i, t in enumerate(range(cq[r], cq[r + 1])):
+            p = ctx + i
+            o, l = paged_attention_ref(
+                q[t:t + 1], k_cache, v_cache, block_table[r:r + 1], one,
+                torch.tensor([p + 1], dtype=torch.int32, device=q.device),
+                scale=scale, window=(p % attn_chunk_size, 0), softcap=softcap, sinks=sinks,
+                k_scale=k_scale, v_scale=v_scale, layout=layout)
+            out[t], lse[t] = o[0], l[0]
     return out, lse
 
 

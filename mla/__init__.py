@@ -38,13 +38,13 @@ from .local_attention import (  # noqa: E402  (chunked local attention virtual b
     LocalAttentionBatch,
     make_local_attention_virtual_batches,
 )
-from .attention import (  # noqa: E402  (general MHA/GQA layer over a paged cache)
+from .attention_plan import (  # noqa: E402  (general MHA/GQA per-step plan)
     AttentionPlan,
     AttentionSubPlan,
     CascadePlan,
-    PagedAttentionImpl,
     build_attention_plan,
 )
+from .attention import PagedAttentionImpl  # noqa: E402  (general MHA/GQA layer over a paged cache)
 
 __all__ += ["LocalAttentionBatch", "make_local_attention_virtual_batches", "AttentionPlan",
             "AttentionSubPlan", "CascadePlan", "PagedAttentionImpl", "build_attention_plan"]

@@ -1,6 +1,7 @@
 """Shared test helpers: one assert_close with one tolerance table, adversarial inputs (STYLE.md 12-13)."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -93,3 +94,103 @@ def shuffled_block_table(num_requests: int, blocks_per_request: int, num_blocks:
         raise ValueError(f"num_blocks: expected >= {need}, got {num_blocks}")
     perm = torch.randperm(num_blocks, generator=generator)[:need]
     return perm.view(num_requests, blocks_per_request).to(torch.int32).to(device)
+
+
+def nan_filled(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of NaN (bytes 0x7F for float8_e4m3fn, one of its NaN encodings)."""
+    t = torch.empty(shape, dtype=dtype)
+    if dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).fill_(0x7F)
+    else:
+        t.fill_(float("nan"))
+    return t
+
+
+def prefix_sharing_block_table(nblk: list[int], shared_blocks: int, spare_blocks: int,
+                               generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """A shuffled block table whose requests share their first `shared_blocks` physical blocks.
+
+    nblk: blocks used by each request (each >= shared_blocks). Returns (table [R, max(nblk) + 1]
+    int32 CPU, num_blocks): unused entries hold invalid ids (INT32_MAX, -7), never to be read,
+    and `spare_blocks` of the num_blocks physical blocks are referenced by no request."""
+    assert all(n >= shared_blocks for n in nblk)
+    R = len(nblk)
+    M = max(nblk + [0]) + 1  # one column more than any request needs
+    need = shared_blocks + sum(n - shared_blocks for n in nblk)
+    num_blocks = need + spare_blocks
+    ids = torch.randperm(num_blocks, generator=generator)[:need].to(torch.int32)
+    table = torch.empty(R, M, dtype=torch.int32)
+    table[:, 0::2], table[:, 1::2] = INT32_MAX, -7  # unused entries: invalid, never read
+    pos = shared_blocks
+    for r, n in enumerate(nblk):
+        table[r, :shared_blocks] = ids[:shared_blocks]
+        table[r, shared_blocks:n] = ids[pos:pos + n - shared_blocks]
+        pos += n - shared_blocks
+    return table, num_blocks
+
+
+FP8_SCALES = (0.027, 0.019)  # paged_batch's fp8 k_scale, v_scale; stored values are x * 40
+
+
+def paged_batch(seqs, H, H_kv, D, bs, *, cache="bf16", shared_blocks=0, pad_rows=2,
+                layout="NHD", spare_blocks=3, seed=0):
+    """Requests (q_len, kv_len) over NaN-filled paged caches holding all their keys/values.
+
+    Adversarial as STYLE.md 12: the caches are strided views (a hidden row per block) of
+    NaN-filled backings with spare blocks, the block table is shuffled with invalid ids in unused
+    columns, q [T + pad_rows, H, D] bf16 is a strided view, padding rows follow the last request.
+    The first `shared_blocks` table entries of every request are the same physical blocks
+    (a shared prefix). cache: "bf16", or "fp8" (float8_e4m3fn holding x * 40, FP8_SCALES).
+    layout: "NHD" or "HND". Returns a dict of paged_attention's arguments (q, k_cache, v_cache,
+    block_table, cu_seqlens_q, seq_lens, k_scale, v_scale, layout)."""
+    g = torch.Generator().manual_seed(seed)
+    cdt = torch.float8_e4m3fn if cache == "fp8" else torch.bfloat16
+    nblk = [math.ceil(kv / bs) for _, kv in seqs]
+    table, num_blocks = prefix_sharing_block_table(nblk, shared_blocks, spare_blocks, g)
+    rows = bs + 1  # a hidden row per block: the view's block stride exceeds block_size rows
+    shape = (num_blocks, rows, H_kv, D) if layout == "NHD" else (num_blocks, H_kv, rows, D)
+    backings = [nan_filled(shape, cdt) for _ in range(2)]
+    visible = (lambda x: x[:, :bs]) if layout == "NHD" else (lambda x: x[:, :, :bs])  # noqa: E731
+    kc, vc = (visible(x) for x in backings)
+    longest = max([kv for _, kv in seqs] + [0])
+    # Position p of every request holds the same shared values while p is in a shared block.
+    shared_k = torch.randn(longest, H_kv, D, generator=g)
+    shared_v = torch.randn(longest, H_kv, D, generator=g)
+    for r, (_, kv) in enumerate(seqs):
+        p = torch.arange(kv)
+        k = torch.randn(kv, H_kv, D, generator=g)
+        v = torch.randn(kv, H_kv, D, generator=g)
+        in_shared = p < shared_blocks * bs
+        k[in_shared], v[in_shared] = shared_k[:kv][in_shared], shared_v[:kv][in_shared]
+        if cache == "fp8":
+            k, v = k * 40, v * 40
+        blk, off = table[r, p // bs].long(), p % bs
+        for cc, x in ((kc, k), (vc, v)):
+            if layout == "NHD":
+                cc[blk, off] = x.to(cdt)
+            else:
+                cc[blk, :, off] = x.to(cdt)
+    T = sum(q for q, _ in seqs)
+    wide = torch.randn(T + pad_rows, H, D + 24, generator=g)
+    q = wide.to(torch.bfloat16).to(DEVICE)[:, :, 8:8 + D]  # strides of a wider tensor
+    cu = torch.tensor([0] + [q_len for q_len, _ in seqs]).cumsum(0).to(torch.int32)
+    lens = torch.tensor([kv for _, kv in seqs], dtype=torch.int32)
+    scales = (None, None)
+    if cache == "fp8":
+        scales = tuple(torch.tensor([s], device=DEVICE) for s in FP8_SCALES)
+    # Move the backings, then take the views: the device caches keep their hidden rows.
+    kc, vc = (visible(x.to(DEVICE)) for x in backings)
+    return dict(q=q, k_cache=kc, v_cache=vc,
+                block_table=table.to(DEVICE), cu_seqlens_q=cu.to(DEVICE),
+                seq_lens=lens.to(DEVICE), k_scale=scales[0], v_scale=scales[1], layout=layout)
+
+
+def attention_options(H: int, D: int, *, scale_factor: float, seed: int, sinks: bool = False,
+                      softcap: float = 0.0) -> dict:
+    """paged_attention options with a non-default scale (scale_factor / sqrt(D)), softcap and,
+    with sinks=True, random sinks [H] fp32 (seeded by seed)."""
+    g = torch.Generator().manual_seed(seed)
+    opts = dict(scale=scale_factor / math.sqrt(D), softcap=softcap)
+    if sinks:
+        opts["sinks"] = (torch.randn(H, generator=g) * 2).to(DEVICE)
+    return opts

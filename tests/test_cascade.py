@@ -1,103 +1,22 @@
 """kernels.cascade: cascade attention against plain paged attention's oracle, and vLLM's
 use_cascade_attention heuristic on its documented cases.
 
-Batches are adversarial as in tests/test_paged_attention.py: caches are strided views of
-NaN-filled backings (one hidden row per block, spare blocks never referenced), block tables are
-shuffled with invalid ids in unused columns, q is a non-contiguous view, the softmax scale is not
-1/sqrt(D), and padding rows follow the last request. Requests share their first
-`shared_blocks` physical blocks (the prefix), so cascade over them must equal attention over the
-whole context: kernels.reference.paged_attention_ref is the oracle, bf16 tolerances for out
-(the cache values are the oracle's too, so fp8 caches also get bf16 tolerances), fp32 for lse.
-
-`paged_batch` is shared with tests/test_local_attention.py and tests/test_mha_impl.py.
+Batches (tests.helpers.paged_batch) are adversarial as in tests/test_paged_attention.py: caches
+are strided views of NaN-filled backings (one hidden row per block, spare blocks never
+referenced), block tables are shuffled with invalid ids in unused columns, q is a non-contiguous
+view, the softmax scale is not 1/sqrt(D), and padding rows follow the last request. Requests share
+their first `shared_blocks` physical blocks (the prefix), so cascade over them must equal
+attention over the whole context: kernels.reference.paged_attention_ref is the oracle, bf16
+tolerances for out (the cache values are the oracle's too, so fp8 caches also get bf16
+tolerances), fp32 for lse.
 """
-import math
-
 import pytest
 import torch
 
 from kernels.cascade import MIN_CASCADE_PREFIX, cascade_attention, use_cascade_attention
 from kernels.paged_attention import paged_attention
 from kernels.reference import paged_attention_ref
-from tests.helpers import DEVICE, INT32_MAX, assert_close
-
-FP8_SCALES = (0.027, 0.019)  # k_scale, v_scale of fp8 caches; stored values are x * 40
-
-
-def paged_batch(seqs, H, H_kv, D, bs, *, cache="bf16", shared_blocks=0, pad_rows=2,
-                layout="NHD", spare_blocks=3, seed=0):
-    """Requests (q_len, kv_len) over NaN-filled paged caches holding all their keys/values.
-
-    The first `shared_blocks` table entries of every request are the same physical blocks
-    (a shared prefix). Returns a dict of paged_attention's arguments (q, k_cache, v_cache,
-    block_table, cu_seqlens_q, seq_lens, k_scale, v_scale, layout)."""
-    g = torch.Generator().manual_seed(seed)
-    cdt = torch.float8_e4m3fn if cache == "fp8" else torch.bfloat16
-    R = len(seqs)
-    nblk = [math.ceil(kv / bs) for _, kv in seqs]
-    assert all(n >= shared_blocks for n in nblk)
-    M = max(nblk + [0]) + 1  # one column more than any request needs
-    need = shared_blocks + sum(n - shared_blocks for n in nblk)
-    num_blocks = need + spare_blocks
-    ids = torch.randperm(num_blocks, generator=g)[:need].to(torch.int32)
-    table = torch.empty(R, M, dtype=torch.int32)
-    table[:, 0::2], table[:, 1::2] = INT32_MAX, -7  # unused entries: invalid, never read
-    pos = shared_blocks
-    for r, n in enumerate(nblk):
-        table[r, :shared_blocks] = ids[:shared_blocks]
-        table[r, shared_blocks:n] = ids[pos:pos + n - shared_blocks]
-        pos += n - shared_blocks
-    rows = bs + 1  # a hidden row per block: the view's block stride exceeds block_size rows
-    shape = (num_blocks, rows, H_kv, D) if layout == "NHD" else (num_blocks, H_kv, rows, D)
-    backings = []
-    for _ in range(2):
-        backing = torch.empty(shape, dtype=cdt)
-        if cdt == torch.float8_e4m3fn:
-            backing.view(torch.uint8).fill_(0x7F)  # NaN
-        else:
-            backing.fill_(float("nan"))
-        backings.append(backing)
-    visible = (lambda x: x[:, :bs]) if layout == "NHD" else (lambda x: x[:, :, :bs])  # noqa: E731
-    kc, vc = (visible(x) for x in backings)
-    longest = max([kv for _, kv in seqs] + [0])
-    # Position p of every request holds the same shared values while p is in a shared block.
-    shared_k = torch.randn(longest, H_kv, D, generator=g)
-    shared_v = torch.randn(longest, H_kv, D, generator=g)
-    for r, (_, kv) in enumerate(seqs):
-        p = torch.arange(kv)
-        k = torch.randn(kv, H_kv, D, generator=g)
-        v = torch.randn(kv, H_kv, D, generator=g)
-        in_shared = p < shared_blocks * bs
-        k[in_shared], v[in_shared] = shared_k[:kv][in_shared], shared_v[:kv][in_shared]
-        if cache == "fp8":
-            k, v = k * 40, v * 40
-        blk, off = table[r, p // bs].long(), p % bs
-        for cc, x in ((kc, k), (vc, v)):
-            if layout == "NHD":
-                cc[blk, off] = x.to(cdt)
-            else:
-                cc[blk, :, off] = x.to(cdt)
-    T = sum(q for q, _ in seqs)
-    wide = torch.randn(T + pad_rows, H, D + 24, generator=g)
-    q = wide.to(torch.bfloat16).to(DEVICE)[:, :, 8:8 + D]  # strides of a wider tensor
-    cu = torch.tensor([0] + [q_len for q_len, _ in seqs]).cumsum(0).to(torch.int32)
-    lens = torch.tensor([kv for _, kv in seqs], dtype=torch.int32)
-    scales = (None, None)
-    if cache == "fp8":
-        scales = tuple(torch.tensor([s], device=DEVICE) for s in FP8_SCALES)
-    # Move the backings, then take the views: the device caches keep their hidden rows.
-    kc, vc = (visible(x.to(DEVICE)) for x in backings)
-    return dict(q=q, k_cache=kc, v_cache=vc,
-                block_table=table.to(DEVICE), cu_seqlens_q=cu.to(DEVICE),
-                seq_lens=lens.to(DEVICE), k_scale=scales[0], v_scale=scales[1], layout=layout)
-
-
-def _options(H, D, *, sinks=False, softcap=0.0, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    opts = dict(scale=0.83 / math.sqrt(D), softcap=softcap)
-    if sinks:
-        opts["sinks"] = (torch.randn(H, generator=g) * 2).to(DEVICE)
-    return opts
+from tests.helpers import DEVICE, assert_close, attention_options, paged_batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +42,7 @@ CASES = [  # (seqs, H, H_kv, D, bs, shared blocks, build options, run options)
 @pytest.mark.parametrize("seqs,H,H_kv,D,bs,shared,bopts,ropts", CASES)
 def test_cascade_equals_full_attention(seqs, H, H_kv, D, bs, shared, bopts, ropts):
     b = paged_batch(seqs, H, H_kv, D, bs, shared_blocks=shared, **bopts)
-    opts = _options(H, D, **ropts)
+    opts = attention_options(H, D, scale_factor=0.83, seed=1, **ropts)
     out, lse = cascade_attention(**b, common_prefix_len=shared * bs, return_lse=True, **opts)
     want, want_lse = paged_attention_ref(**b, **opts)
     assert out.dtype == b["q"].dtype and out.shape == b["q"].shape
@@ -139,7 +58,7 @@ def test_cascade_matches_plain_kernel_and_writes_out():
     tensors, the answer is the plain kernel's up to bf16 rounding of the two parts."""
     seqs, H, D, bs = [(1, 40), (2, 35), (6, 48)], 8, 64, 16
     b = paged_batch(seqs, H, 2, D, bs, shared_blocks=2, pad_rows=0)
-    opts = _options(H, D)
+    opts = attention_options(H, D, scale_factor=0.83, seed=1)
     T = b["q"].shape[0]
     backing = torch.full((T, H, D + 8), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     out = backing[:, :, :D]

@@ -2,10 +2,10 @@
 
 Two kinds of checks: the rewrite itself against vLLM's documented cases (its docstring example and
 the cases of vLLM's own test, same arange block tables), and paged_attention over the virtual
-batch against an oracle that knows nothing of virtual batches: each query token alone through
-kernels.reference.paged_attention_ref with the window that is its chunk (query at position p sees
-keys p - p % C .. p, i.e. window (p % C, 0) over the request's real block table). Batches come
-from tests.test_cascade.paged_batch (NaN-filled strided caches, shuffled tables, padding rows).
+batch against kernels.reference.local_attention_ref, an oracle that knows nothing of virtual
+batches (each query token alone through paged_attention_ref with the window that is its chunk).
+Batches come from tests.helpers.paged_batch (NaN-filled strided caches, shuffled tables, padding
+rows).
 """
 import math
 
@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from kernels.paged_attention import paged_attention
-from kernels.reference import paged_attention_ref
+from kernels.reference import local_attention_ref
 from mla.local_attention import make_local_attention_virtual_batches
-from tests.helpers import DEVICE, assert_close
-from tests.test_cascade import paged_batch
+from tests.helpers import DEVICE, assert_close, attention_options, paged_batch
 
 
 def _arange_table(qlens, seqs, bs):
@@ -96,27 +95,6 @@ def test_errors(kwargs, match):
 # ---------------------------------------------------------------------------------------------
 # Attention over the virtual batch == chunk-masked attention
 # ---------------------------------------------------------------------------------------------
-def local_attention_oracle(b, chunk, **opts):
-    """Chunked local attention from the maths: query token t of request r at position p attends
-    causally within its chunk, i.e. paged_attention_ref of that token alone with window
-    (p % chunk, 0). Returns (out, lse) fp32; padding rows 0 / -inf."""
-    T, H, D = b["q"].shape
-    out = torch.zeros(T, H, D)
-    lse = torch.full((T, H), float("-inf"))
-    cu, lens = b["cu_seqlens_q"].tolist(), b["seq_lens"].tolist()
-    one = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
-    for r in range(len(lens)):
-        ctx = lens[r] - (cu[r + 1] - cu[r])
-        for i, t in enumerate(range(cu[r], cu[r + 1])):
-            p = ctx + i
-            o, l = paged_attention_ref(
-                b["q"][t:t + 1], b["k_cache"], b["v_cache"], b["block_table"][r:r + 1], one,
-                torch.tensor([p + 1], dtype=torch.int32, device=DEVICE), window=(p % chunk, 0),
-                k_scale=b["k_scale"], v_scale=b["v_scale"], layout=b["layout"], **opts)
-            out[t], lse[t] = o[0].cpu(), l[0].cpu()
-    return out, lse
-
-
 NUMERIC = [  # (seqs, H, H_kv, D, bs, chunk, build options, run options)
     pytest.param([(4, 6), (10, 17), (5, 9)], 4, 2, 32, 2, 4, {}, {}, id="vllm-example-bs2-C4"),
     pytest.param([(1, 40), (1, 16), (9, 30), (20, 20)], 8, 2, 64, 8, 16, {}, {},
@@ -130,17 +108,14 @@ NUMERIC = [  # (seqs, H, H_kv, D, bs, chunk, build options, run options)
 @pytest.mark.parametrize("seqs,H,H_kv,D,bs,chunk,bopts,ropts", NUMERIC)
 def test_local_attention_equals_chunk_mask_oracle(seqs, H, H_kv, D, bs, chunk, bopts, ropts):
     b = paged_batch(seqs, H, H_kv, D, bs, **bopts)
-    g = torch.Generator().manual_seed(3)
-    opts = dict(scale=0.77 / math.sqrt(D), softcap=ropts.get("softcap", 0.0))
-    if ropts.get("sinks"):
-        opts["sinks"] = (torch.randn(H, generator=g) * 2).to(DEVICE)
+    opts = attention_options(H, D, scale_factor=0.77, seed=3, **ropts)
     qsl = [0] + np.cumsum([q for q, _ in seqs]).tolist()
     lb = make_local_attention_virtual_batches(chunk, qsl, [kv for _, kv in seqs],
                                               b["block_table"], bs)
     vb = {**b, "cu_seqlens_q": lb.cu_seqlens_q, "seq_lens": lb.seq_lens,
           "block_table": lb.block_table}
     out, lse = paged_attention(**vb, **opts, return_lse=True, max_query_len=lb.max_query_len)
-    want, want_lse = local_attention_oracle(b, chunk, **opts)
+    want, want_lse = local_attention_ref(**b, attn_chunk_size=chunk, **opts)
     assert_close("out", out, want, "bf16")
     assert_close("lse", lse, want_lse, "fp32")
     assert torch.equal(out[-2:].float().cpu(), torch.zeros(2, H, D)), "padding rows must be 0"

@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import attention_varlen_ref, paged_attention_ref
+from kernels.reference import attention_varlen_ref, local_attention_ref, paged_attention_ref
 from mla import AttentionPlan, PagedAttentionImpl, build_attention_plan
-from tests.helpers import DEVICE, INT32_MAX, assert_close
-from tests.test_local_attention import local_attention_oracle
+from tests.helpers import DEVICE, assert_close, nan_filled, prefix_sharing_block_table
 
 SCALES = (0.027, 0.019)  # fp8 k_scale, v_scale: randn / 0.027 spans ~ +-150 of e4m3's +-448
 
@@ -39,31 +38,16 @@ def make_step(reqs, H, H_kv, D, bs, *, cache="bf16", pad=2, shared_blocks=0, kv5
     after the write (want_k, want_v) and the unquantized full K/V per request (full_k, full_v)."""
     g = torch.Generator().manual_seed(seed)
     cdt = torch.float8_e4m3fn if cache == "fp8" else q_dtype
-    R = len(reqs)
     seqs = [q + c for q, c in reqs]
     qlens = [q for q, _ in reqs]
     nblk = [max(math.ceil(s / bs), shared_blocks) for s in seqs]
-    M = max(nblk) + 1
-    need = shared_blocks + sum(n - shared_blocks for n in nblk)
-    num_blocks = need + 3
-    ids = torch.randperm(num_blocks, generator=g)[:need].to(torch.int32)
-    table = torch.empty(R, M, dtype=torch.int32)
-    table[:, 0::2], table[:, 1::2] = INT32_MAX, -7
-    pos = shared_blocks
-    for r, n in enumerate(nblk):
-        table[r, :shared_blocks] = ids[:shared_blocks]
-        table[r, shared_blocks:n] = ids[pos:pos + n - shared_blocks]
-        pos += n - shared_blocks
+    table, num_blocks = prefix_sharing_block_table(nblk, shared_blocks, 3, g)
     if hnd_memory:  # vLLM's HND stride order: [2, blocks, H_kv, rows, D] seen as NHD
-        backing = torch.empty(2, num_blocks, H_kv, bs + 1, D, dtype=cdt)
+        backing = nan_filled((2, num_blocks, H_kv, bs + 1, D), cdt)
         logical = lambda x: x.permute(0, 1, 3, 2, 4)[:, :, :bs]  # noqa: E731
     else:
-        backing = torch.empty(2, num_blocks, bs + 1, H_kv, D, dtype=cdt)
+        backing = nan_filled((2, num_blocks, bs + 1, H_kv, D), cdt)
         logical = lambda x: x[:, :, :bs]  # noqa: E731
-    if cdt == torch.float8_e4m3fn:
-        backing.view(torch.uint8).fill_(0x7F)
-    else:
-        backing.fill_(float("nan"))
     view = logical(backing)
     longest = max(seqs)
     shared_kv = torch.randn(2, longest, H_kv, D, generator=g).to(q_dtype).float()
@@ -265,10 +249,9 @@ def test_forward_local_attention():
     assert plan.attn_chunk_size == 8 and plan.local.num_reqs == plan.num_reqs > len(reqs)
     out = impl.forward(s["query"], s["key"], s["value"], s["kv_cache"], plan)
     _check_cache_written(s, s["kv_cache"])
-    b = dict(q=s["query"], k_cache=s["want_k"], v_cache=s["want_v"], block_table=s["block_table"],
-             cu_seqlens_q=s["query_start_loc"], seq_lens=s["seq_lens"], k_scale=None,
-             v_scale=None, layout="NHD")
-    want, _ = local_attention_oracle(b, 8, scale=impl.scale, sinks=impl.sinks.float())
+    want, _ = local_attention_ref(s["query"], s["want_k"], s["want_v"], s["block_table"],
+                                  s["query_start_loc"], s["seq_lens"], attn_chunk_size=8,
+                                  scale=impl.scale, sinks=impl.sinks.float())
     assert_close("out", out, want, "bf16")
 
 
