@@ -25,6 +25,12 @@ _CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 LAYOUTS = ("NHD", "HND")
 
 
+def quantize_fp8_per_tensor(x: torch.Tensor, scale) -> torch.Tensor:
+    """The fp8 cache rule in torch (the byte-level truth the Triton writer equals):
+    e4m3fn(rne(x_fp32 / scale)), saturating at +-448, NaN stays NaN. scale: float or 1-element tensor."""
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def cache_dims(cache: torch.Tensor, layout: str):
     """(num_blocks, block_size, H_kv, D) of a 4-D paged cache in `layout` ("NHD" or "HND")."""
     if layout == "NHD":

@@ -3,8 +3,7 @@ negative slots are skipped, out-of-range slots raise (or are skipped with check_
 import pytest
 import torch
 
-from quant.kv_cache import write_kv_cache
-from quant.mla_formats import FP8_E4M3_MAX
+from quant.kv_cache import quantize_fp8_per_tensor, write_kv_cache
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN
 
 FP8 = torch.float8_e4m3fn
@@ -20,7 +19,7 @@ def quantize_ref(x, cache_dtype, scale):
     """The writer's contract in torch: x.to(cache) or e4m3fn(rne(x_fp32 / scale)) saturating."""
     if cache_dtype != FP8:
         return x.to(cache_dtype)
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
+    return quantize_fp8_per_tensor(x, scale)
 
 
 def _inputs(T, H, D, dtype, g, scale):

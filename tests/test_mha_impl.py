@@ -19,13 +19,13 @@ import torch
 
 from kernels.reference import attention_varlen_ref, local_attention_ref, paged_attention_ref
 from mla import AttentionPlan, PagedAttentionImpl, build_attention_plan
+from quant.kv_cache import quantize_fp8_per_tensor
 from tests.helpers import DEVICE, assert_close, nan_filled, prefix_sharing_block_table
 
 SCALES = (0.027, 0.019)  # fp8 k_scale, v_scale: randn / 0.027 spans ~ +-150 of e4m3's +-448
 
 
-def _quant(x, scale):
-    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+_quant = quantize_fp8_per_tensor
 
 
 def make_step(reqs, H, H_kv, D, bs, *, cache="bf16", pad=2, shared_blocks=0, kv5d=True,

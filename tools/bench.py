@@ -481,9 +481,7 @@ register(Op(
 
 # --------------------------------------------------------------------------------------------
 # write_kv_cache (MHA paged cache writer, bf16 or fp8 per-tensor)
-def fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """quant/kv_cache.py's rule in torch: e4m3fn(rne(x_fp32 / scale)), saturating at +-448."""
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+from quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor  # noqa: E402
 
 
 def _kvw_build(p, device):
