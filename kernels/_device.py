@@ -6,9 +6,11 @@ import torch
 _SM_COUNT: dict = {}
 
 
-def num_sms(device: torch.device) -> int:
-    """Multiprocessor count (cached). The CPU interpreter pretends to have 8, so that the split
-    paths (split-K, split-KV) are exercised by the CPU tests with small shapes."""
+def num_sms(device) -> int:
+    """Multiprocessor count of a device (torch.device or str; cached). Elsewhere than CUDA (the CPU
+    interpreter) it pretends to have 8, so that the split paths (split-K, split-KV) and the
+    decisions made from it are exercised by the CPU tests with small shapes."""
+    device = torch.device(device)
     if device.type != "cuda":
         return 8
     key = device.index if device.index is not None else torch.cuda.current_device()

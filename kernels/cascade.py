@@ -28,13 +28,13 @@ import numpy as np
 import torch
 import triton
 
+from kernels._device import num_sms
 from kernels.merge import merge_attn_states
 from kernels.paged_attention import SHORT_MAX_Q, SHORT_MAX_ROWS, paged_attention
 from quant._validate import check_tensor, fail
 from quant.kv_cache import LAYOUTS, cache_dims
 
-__all__ = ["cascade_attention", "use_cascade_attention", "device_num_sms",
-           "MIN_CASCADE_PREFIX", "MIN_CASCADE_REQS"]
+__all__ = ["cascade_attention", "use_cascade_attention", "MIN_CASCADE_PREFIX", "MIN_CASCADE_REQS"]
 
 # vLLM's thresholds (use_cascade_attention): shorter prefixes and smaller batches never pay off.
 MIN_CASCADE_PREFIX = 256
@@ -53,16 +53,6 @@ _PREFIX_WAVES = 2
 HostInts = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 
-def device_num_sms(device: Union[torch.device, str]) -> int:
-    """Streaming multiprocessors of a CUDA device; 8 elsewhere (what the CPU interpreter's
-    split-KV choice pretends to have), so decisions made from it are the same in CPU tests."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def use_cascade_attention(common_prefix_len: int, query_lens: HostInts, num_query_heads: int,
                           num_kv_heads: int, *, use_alibi: bool = False,
                           use_sliding_window: bool = False, use_local_attention: bool = False,
@@ -77,7 +67,7 @@ def use_cascade_attention(common_prefix_len: int, query_lens: HostInts, num_quer
         num_query_heads, num_kv_heads: H and H_kv of the layer.
         use_alibi, use_sliding_window, use_local_attention: layer features cascade does not
             support.
-        num_sms: streaming multiprocessors of the GPU (`device_num_sms`).
+        num_sms: streaming multiprocessors of the GPU (`kernels._device.num_sms`).
         dcp_world_size: decode context parallelism; > 1 disables cascade (as vLLM).
 
     Rules, in order (vLLM's):
@@ -124,7 +114,7 @@ def _prefix_num_splits(rows: int, tokens: int, h_kv: int, prefix_len: int,
     if tokens <= SHORT_MAX_Q and rows <= SHORT_MAX_ROWS:
         return None
     programs = triton.cdiv(rows, _PREFIX_ROWS_PER_PROGRAM) * h_kv
-    want = triton.cdiv(_PREFIX_WAVES * device_num_sms(device), programs)
+    want = triton.cdiv(_PREFIX_WAVES * num_sms(device), programs)
     splits = min(want, _PREFIX_MAX_SPLITS, triton.cdiv(prefix_len, _PREFIX_MIN_KEYS_PER_SPLIT))
     return splits if splits > 1 else None
 

@@ -20,6 +20,13 @@ One kernel, `paged_attention_kernel`:
 - Only key tiles that some row of the program may see are visited (causal and window bounds),
   and only positions < seq_len (and inside that union) are read: block table entries beyond
   the sequence and cache rows outside it are never touched.
+- Long queries (prefill) split a program's keys into interior tiles, seen by every row of the
+  block behind valid block ids, and the masked tiles at the causal diagonal and window edges
+  (FlashAttention's off-band / on-band loops). Interior tiles use no masks and take their block
+  ids from registers loaded one tile ahead, so the compiler's pipeliner issues their K / V
+  copies num_stages - 1 tiles ahead (a block-id load in the same iteration made it wait for
+  every copy at each step: 2.47 ms -> 1.21 ms at 8k tokens on the H200, scratch/paged_perf).
+  Row blocks launch last-first: the most expensive causal blocks start in the first wave.
 - Short queries (decode, speculative decoding) whose grid would underfill the GPU split the key
   range over NUM_SPLITS programs; `paged_attention_reduce_kernel` folds the partial
   (out, lse) pairs with `kernels.merge.merge_step`. The split count is chosen on the host from
@@ -42,6 +49,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels._device import num_sms
 from kernels.merge import merge_finish, merge_step
 from quant._validate import check_same_device, check_tensor, fail
 from quant.kv_cache import LAYOUTS, cache_dims, cache_strides
@@ -69,9 +77,10 @@ def _config(bm, bn, w, s):
 
 
 # Sound defaults first (the first survivor of pruning is what runs without benchmarking), then
-# the rest of the grid.
-_DEFAULTS = [(16, 64, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2),
-             (64, 32, 8, 2)]
+# the rest of the grid. Long queries: 128 x 128 tiles, 8 warps, 3 stages (D <= 128), else
+# 128 x 64, else 64 x 64 (D = 256); measured on the H200 in scratch/paged_perf/NOTES.md.
+_DEFAULTS = [(16, 64, 4, 2), (32, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 2),
+             (64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 2)]
 _CONFIGS = [_config(*c) for c in _DEFAULTS] + [
     _config(bm, bn, w, s)
     for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
@@ -100,11 +109,18 @@ def _prune(configs, named_args, **kwargs):
             continue
         # Registers: the fp32 accumulator, the score tile and one K/V operand tile spread over the
         # threads. ptxas for sm_90 (scratch/paged/NOTES.md) spills past ~176 such values per
-        # thread (D=128: 64x128 keys at 4 warps, 128x128 at 8) and never below it.
-        if (bm * d + bm * bn + bn * d) / (32 * w) > 176:
+        # thread (D=128: 64x128 keys at 4 warps, 128x128 at 8) and never below it. Long bf16/fp16
+        # queries copy K/V straight to shared memory (no operand tile in registers) and keep
+        # their interior loop free of spills up to 144 accumulator + score values per thread
+        # (scratch/paged_perf/sweep_long.txt: D=128 128x128 at 8 warps is 128).
+        if not want_m and not kwargs["IS_FP8"]:
+            if (bm * d + bm * bn) / (32 * w) > 144:
+                continue
+        elif (bm * d + bm * bn + bn * d) / (32 * w) > 176:
             continue
-        # Shared memory: q plus `s` stages of K and V tiles (2-byte operands).
-        if 2 * (bm * d + 2 * s * bn * d) > _SMEM_BYTES - 8 * 1024:
+        # Shared memory: q plus `s` stages of K and V tiles (2-byte operands); the compiler's
+        # reduction scratch reuses that space (D=128 128x128 at 3 stages compiles to 224 KB).
+        if 2 * (bm * d + 2 * s * bn * d) > _SMEM_BYTES - 2 * 1024:
             continue
         kept.append(c)
     if not kept:  # the smallest tile for the wanted BLOCK_M always runs
@@ -115,6 +131,104 @@ def _prune(configs, named_args, **kwargs):
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
+@triton.jit
+def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_qpos,
+                 context_len, b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS,
+                 kv_start, s_kb, s_kt, s_vb, s_vt, o_d, m_d,
+                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                 ALIBI_SQRT: tl.constexpr, IS_FP8: tl.constexpr, KV_SAME: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """One BLOCK_N key tile (starting at n0, a multiple of BLOCK_N) of the online softmax.
+    MASKED=False is an interior tile: every key is < seq_len, inside every row's causal / window
+    bounds and behind a valid block id (b_blk_in, loaded by the caller), so neither the loads
+    nor the scores need a mask."""
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        m_n = (o_n >= lo) & (o_n < n_end)
+    if IS_PAGED:
+        # Block ids are read only for positions this program uses (all < seq_len).
+        if MASKED:
+            b_blk = tl.load(p_bt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+            # An invalid block id (< 0 or >= num_blocks) drops its keys instead of reading them.
+            m_n = m_n & (b_blk >= 0) & (b_blk < NUM_BLOCKS)
+        else:  # loaded by the caller one tile ahead (see the interior loop)
+            b_blk = b_blk_in
+        if (not MASKED) and (BLOCK_N % PAGE_SIZE == 0):
+            # Tiles start at multiples of BLOCK_N, so a row's offset in its page is fixed: the
+            # compiler hoists it and the loop keeps one 64-bit multiply-add per row.
+            o_pin = tl.arange(0, BLOCK_N) % PAGE_SIZE
+        else:
+            o_pin = o_n % PAGE_SIZE
+        if MASKED:
+            o_kr = b_blk * s_kb + o_pin * s_kt
+        else:
+            # Interior ids are checked valid (>= 0) and strides are >= 0: zero-extended 32-bit
+            # factors make the 64-bit product one wide multiply instead of a 64 x 64 one.
+            b_blk = b_blk.to(tl.uint32).to(tl.int64)
+            o_kr = b_blk * s_kb.to(tl.uint32).to(tl.int64) + o_pin * s_kt
+        if KV_SAME:  # K and V caches with the same strides share the row offsets
+            o_vr = o_kr
+        elif MASKED:
+            o_vr = b_blk * s_vb + o_pin * s_vt
+        else:
+            o_vr = b_blk * s_vb.to(tl.uint32).to(tl.int64) + o_pin * s_vt
+    else:
+        o_kr = (kv_start + o_n) * s_kt
+        if KV_SAME:
+            o_vr = o_kr
+        else:
+            o_vr = (kv_start + o_n) * s_vt
+    if MASKED:
+        m_nd = m_n[:, None] & m_d[None, :]
+    else:
+        m_nd = m_d[None, :]
+    if MASKED or HEAD_DIM != BLOCK_D:
+        b_k = tl.load(p_k + o_kr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+    else:
+        b_k = tl.load(p_k + o_kr[:, None] + o_d[None, :])
+    b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI or IS_FP8:
+        b_s = b_s * qk_scale
+        if HAS_SOFTCAP:
+            b_s = softcap2 * libdevice.tanh(b_s / softcap2)
+        if MASKED:
+            m_s = m_n[None, :]
+            if CAUSAL:
+                m_s = m_s & (o_n[None, :] <= o_qpos[:, None])
+            if HAS_WINDOW:
+                m_s = m_s & ((win_left < 0) | (o_n[None, :] >= o_qpos[:, None] - win_left))
+                m_s = m_s & ((win_right < 0) | (o_n[None, :] <= o_qpos[:, None] + win_right))
+            b_s = tl.where(m_s, b_s, float("-inf"))
+        if HAS_ALIBI:
+            if ALIBI_SQRT:
+                b_dist = (o_qpos[:, None] - o_n[None, :]).to(tl.float32)
+                b_bias = tl.where(b_dist >= 0, -tl.sqrt(tl.maximum(b_dist, 0.0)), 0.0)
+            else:
+                b_bias = (o_n - context_len).to(tl.float32)[None, :]
+            b_s = b_s + b_slope[:, None] * b_bias
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # A row with nothing counted yet keeps max -inf; shift by 0 there so no inf - inf appears.
+        m_sh = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = tl.exp2(b_s - m_sh[:, None])
+    else:
+        # qk_scale >= 0 (for scale < 0 the kernel negated q), so max(s) * scale = max(s * scale)
+        # and the scaling folds into one fma per score (fp8 takes the branch above: its scale
+        # also holds k_scale, a device value). Every row sees every key: m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+        m_sh = m_new
+        b_p = tl.exp2(b_s * qk_scale - m_sh[:, None])
+    alpha = tl.exp2(m_i - m_sh)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    if MASKED or HEAD_DIM != BLOCK_D:
+        b_v = tl.load(p_v + o_vr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+    else:
+        b_v = tl.load(p_v + o_vr[:, None] + o_d[None, :])
+    acc = tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
 @triton.autotune(configs=_CONFIGS,
                  key=["BLOCK_M_WANT", "GQA", "HEAD_DIM", "PAGE_SIZE", "IS_FP8", "NUM_SPLITS"],
                  prune_configs_by={"early_config_prune": _prune})
@@ -130,10 +244,14 @@ def paged_attention_kernel(
     PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, IS_FP8: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, ALIBI_SQRT: tl.constexpr, HAS_SINKS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, NEG_Q: tl.constexpr,
+    KV_SAME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i_qb = tl.program_id(0)
+    if BLOCK_M_WANT == 0:
+        # Long causal queries: a request's last row blocks see the most keys. Launch them first
+        # so that the last wave holds short programs instead of a tail of long ones.
+        i_qb = tl.num_programs(0) - 1 - i_qb
     i_kvh = tl.program_id(1)
     i_split = tl.program_id(2)
 
@@ -194,11 +312,15 @@ def paged_attention_kernel(
 
     b_q = tl.load(q_ptr + o_tok[:, None] * s_qt + o_h[:, None] * s_qh + o_d[None, :],
                   mask=m_m[:, None] & m_d[None, :], other=0.0)
+    if NEG_Q:  # scale < 0: the host passed |scale| (interior tiles need a scale >= 0)
+        b_q = (-b_q.to(tl.float32)).to(b_q.dtype)  # exact
     qk_scale = qk_scale2
     if IS_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     if HAS_ALIBI:
         b_slope = tl.load(alibi_ptr + o_h, mask=m_m, other=0.0) * 1.4426950408889634
+    else:
+        b_slope = qk_scale  # unused
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -212,48 +334,82 @@ def paged_attention_kernel(
 
     p_k = k_ptr + i_kvh * s_kh
     p_v = v_ptr + i_kvh * s_vh
-    for n0 in range(n_start, n_end, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        m_n = (o_n >= lo) & (o_n < n_end)
-        if IS_PAGED:
-            # Block ids are read only for positions this program uses (all < seq_len).
-            b_blk = tl.load(bt_ptr + i_r * s_bt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
-            # An invalid block id (< 0 or >= num_blocks) drops its keys instead of reading them.
-            m_n = m_n & (b_blk >= 0) & (b_blk < NUM_BLOCKS)
-            o_kr = b_blk * s_kb + (o_n % PAGE_SIZE) * s_kt
-            o_vr = b_blk * s_vb + (o_n % PAGE_SIZE) * s_vt
-        else:
-            o_kr = (kv_start + o_n) * s_kt
-            o_vr = (kv_start + o_n) * s_vt
-        m_nd = m_n[:, None] & m_d[None, :]
-        b_k = tl.load(p_k + o_kr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype))) * qk_scale
-        if HAS_SOFTCAP:
-            b_s = softcap2 * libdevice.tanh(b_s / softcap2)
-        m_s = m_n[None, :]
+    if IS_PAGED:
+        p_bt = bt_ptr + i_r.to(tl.int64) * s_bt
+        kv_start = 0
+    else:
+        p_bt = bt_ptr
+    # Long queries: tiles [n_in, n_out) are interior (no masks, see _attend_tile), the tiles
+    # before and after them within [n_start, n_end) are masked. Short queries (a few tiles per
+    # split) keep one masked loop.
+    if BLOCK_M_WANT == 0:
+        # Keys every row of the block sees: [full_lo, full_hi).
+        full_lo = lo
+        full_hi = n_end
         if CAUSAL:
-            m_s = m_s & (o_n[None, :] <= o_qpos[:, None])
+            full_hi = tl.minimum(full_hi, context_len + tq_first + 1)
         if HAS_WINDOW:
-            m_s = m_s & ((win_left < 0) | (o_n[None, :] >= o_qpos[:, None] - win_left))
-            m_s = m_s & ((win_right < 0) | (o_n[None, :] <= o_qpos[:, None] + win_right))
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        if HAS_ALIBI:
-            if ALIBI_SQRT:
-                b_dist = (o_qpos[:, None] - o_n[None, :]).to(tl.float32)
-                b_bias = tl.where(b_dist >= 0, -tl.sqrt(tl.maximum(b_dist, 0.0)), 0.0)
-            else:
-                b_bias = (o_n - context_len).to(tl.float32)[None, :]
-            b_s = b_s + b_slope[:, None] * b_bias
-
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        # A row with nothing counted yet keeps max -inf; shift by 0 there so no inf - inf appears.
-        m_sh = tl.where(m_new == float("-inf"), 0.0, m_new)
-        b_p = tl.exp2(b_s - m_sh[:, None])
-        alpha = tl.exp2(m_i - m_sh)
-        l_i = l_i * alpha + tl.sum(b_p, 1)
-        b_v = tl.load(p_v + o_vr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
-        acc = tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), acc * alpha[:, None])
-        m_i = m_new
+            if win_left >= 0:
+                full_lo = tl.maximum(full_lo, context_len + tq_last - win_left)
+            if win_right >= 0:
+                full_hi = tl.minimum(full_hi, context_len + tq_first + win_right + 1)
+        n_grid_end = n_start + tl.cdiv(tl.maximum(n_end - n_start, 0), BLOCK_N) * BLOCK_N
+        n_in = tl.minimum(n_start + tl.cdiv(tl.maximum(full_lo - n_start, 0), BLOCK_N) * BLOCK_N,
+                          n_grid_end)
+        n_out = tl.maximum(n_start + tl.maximum(full_hi - n_start, 0) // BLOCK_N * BLOCK_N, n_in)
+        if IS_PAGED:
+            # Interior tiles read block ids unchecked: an invalid id among them (a caller bug)
+            # sends the whole range through the masked loop instead.
+            n_bad = tl.zeros([], tl.int32)
+            pg_end = tl.cdiv(n_out, PAGE_SIZE)
+            for pg0 in range(n_in // PAGE_SIZE, pg_end, 256):
+                o_pg = pg0 + tl.arange(0, 256)
+                b_pg = tl.load(p_bt + o_pg, mask=o_pg < pg_end, other=0)
+                n_bad += tl.sum(((b_pg < 0) | (b_pg >= NUM_BLOCKS)).to(tl.int32))
+            if n_bad > 0:
+                n_out = n_in
+        # The block ids of the next interior tile are loaded one step ahead into registers: the
+        # K / V copies then depend on no load of their own iteration, and the pipeliner can
+        # issue them num_stages - 1 tiles ahead.
+        o_nn = tl.arange(0, BLOCK_N)
+        if BLOCK_N % PAGE_SIZE == 0:  # row o_nn of tile n0 sits in page n0 // PAGE + o_nn // PAGE
+            o_npg = o_nn // PAGE_SIZE
+        b_blk_nx = tl.zeros([BLOCK_N], tl.int32)
+        if IS_PAGED:
+            b_blk_nx = tl.load(p_bt + (n_in + o_nn) // PAGE_SIZE, mask=n_in + o_nn < n_out,
+                               other=0)
+        for n0 in range(n_in, n_out, BLOCK_N):
+            b_blk = b_blk_nx
+            if IS_PAGED:
+                if BLOCK_N % PAGE_SIZE == 0:  # whole tiles: the next one is in range or not at all
+                    # (`o_npg >= 0`, always true, only gives the scalar condition a row shape)
+                    b_blk_nx = tl.load(p_bt + ((n0 + BLOCK_N) // PAGE_SIZE + o_npg),
+                                       mask=(n0 + BLOCK_N < n_out) & (o_npg >= 0), other=0)
+                else:
+                    o_nx = n0 + BLOCK_N + o_nn
+                    b_blk_nx = tl.load(p_bt + o_nx // PAGE_SIZE, mask=o_nx < n_out, other=0)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk, n0, lo, n_end, o_qpos, context_len,
+                b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
+                s_kb, s_kt, s_vb, s_vt, o_d, m_d, False, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
+                CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N)
+        # Masked tiles: [n_start, n_in) then [n_out, n_end).
+        n_head = (n_in - n_start) // BLOCK_N
+        n_tiles = n_head + tl.cdiv(tl.maximum(n_end - n_out, 0), BLOCK_N)
+        for i_n in range(0, n_tiles):
+            n0 = tl.where(i_n < n_head, n_start + i_n * BLOCK_N, n_out + (i_n - n_head) * BLOCK_N)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, b_q, p_k, p_v, p_bt, 0, n0, lo, n_end, o_qpos, context_len,
+                b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
+                s_kb, s_kt, s_vb, s_vt, o_d, m_d, True, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
+                CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N)
+    else:
+        for n0 in range(n_start, n_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, b_q, p_k, p_v, p_bt, 0, n0, lo, n_end, o_qpos, context_len,
+                b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
+                s_kb, s_kt, s_vb, s_vt, o_d, m_d, True, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
+                CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N)
 
     if IS_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -304,19 +460,6 @@ def paged_attention_reduce_kernel(
 # ---------------------------------------------------------------------------------------------
 # Launch
 # ---------------------------------------------------------------------------------------------
-_SM_COUNT: dict = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """Multiprocessor count (cached); the CPU interpreter pretends to have 8 so split-KV runs."""
-    if device.type != "cuda":
-        return 8
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SM_COUNT[key]
-
-
 def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms: int,
           num_splits: Optional[int]):
     """(BLOCK_M_WANT, NUM_SPLITS) from shapes alone. BLOCK_M_WANT = 0: long queries, BLOCK_M is
@@ -354,7 +497,7 @@ def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, w
         s_vb, s_vt, s_vh = 0, v.stride(0), v.stride(1)
         block_table, s_bt = cu_seqlens_q, 0  # never read
     gqa = H // H_kv
-    block_m_want, splits = _plan(T, R, H_kv, gqa, max_q, max_kv, _num_sms(q.device), num_splits)
+    block_m_want, splits = _plan(T, R, H_kv, gqa, max_q, max_kv, num_sms(q.device), num_splits)
     is_fp8 = k.dtype == torch.float8_e4m3fn
     dummy = cu_seqlens_q  # pointer arguments the kernel never reads under its flags
     if splits > 1:
@@ -376,14 +519,15 @@ def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, w
         k_scale if is_fp8 else dummy, v_scale if is_fp8 else dummy,
         o_args[0], o_args[1],
         T, R, num_blocks, kv_cap,
-        scale * LOG2E, softcap * LOG2E, left, right,
+        abs(scale) * LOG2E, softcap * LOG2E, left, right,
         q.stride(0), q.stride(1), s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
         *o_args[2:],
         BLOCK_M_WANT=block_m_want, GQA=gqa, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
         PAGE_SIZE=page, IS_PAGED=paged, IS_FP8=is_fp8,
         CAUSAL=causal, HAS_WINDOW=left >= 0 or right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, ALIBI_SQRT=alibi_sqrt, HAS_SINKS=sinks is not None,
-        NUM_SPLITS=splits, WRITE_LSE=write_lse,
+        NUM_SPLITS=splits, WRITE_LSE=write_lse, NEG_Q=scale < 0,
+        KV_SAME=(s_kb, s_kt) == (s_vb, s_vt),
     )
     if splits > 1:
         block_d = triton.next_power_of_2(D)

@@ -30,7 +30,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from kernels.cascade import device_num_sms, use_cascade_attention
+from kernels._device import num_sms as device_num_sms
+from kernels.cascade import use_cascade_attention
 from mla.local_attention import LocalAttentionBatch, make_local_attention_virtual_batches
 from quant._validate import check_same_device, check_tensor, fail
 

@@ -285,6 +285,38 @@ def test_invalid_block_ids_are_skipped_not_read():
     assert_close("lse", lse, want_lse, "fp32")
 
 
+def test_invalid_block_ids_inside_a_long_causal_query():
+    """A long query's interior key tiles skip masking; an invalid block id there must send the
+    range to the masked path (dropping those keys), never to an out-of-bounds read."""
+    kv = _kv(2000)
+    b = build([(70, kv), (40, 120)], 8, 2, 64, 16)
+    table = b["block_table"].clone()
+    table[0, 2], table[0, 5] = -1, INT32_MAX
+    got = paged_attention(**{**b, "block_table": table}, scale=0.11)
+    # oracle: causal attention of request 0 over its keys minus pages 2 and 5; request 1 untouched
+    tab, cu, lens = table.cpu(), b["cu_seqlens_q"].tolist(), b["seq_lens"].tolist()
+    bs, reps = 16, 8 // 2
+    want = torch.zeros(cu[-1], 8, 64, dtype=torch.float64)
+    for r in range(2):
+        L, ql = lens[r], cu[r + 1] - cu[r]
+        pos = [p for p in range(L) if not (r == 0 and p // bs in (2, 5))]
+        k = torch.stack([b["k_cache"][tab[r, p // bs], p % bs] for p in pos]).double().cpu()
+        v = torch.stack([b["v_cache"][tab[r, p // bs], p % bs] for p in pos]).double().cpu()
+        k, v = k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1)
+        s = torch.einsum("thd,lhd->htl", b["q"][cu[r]:cu[r + 1]].double().cpu(), k) * 0.11
+        keep = torch.tensor(pos)[None, :] <= (L - ql + torch.arange(ql))[:, None]
+        s = s.masked_fill(~keep[None], float("-inf"))
+        want[cu[r]:cu[r + 1]] = torch.einsum("htl,lhd->thd", torch.softmax(s, -1), v)
+    assert_close("out", got[:cu[-1]], want.float().to(got.device), "bf16")
+
+
+@pytest.mark.parametrize("D", [64, 80])
+def test_negative_scale_long_and_short_queries(D):
+    b = build([(70, _kv(2000)), (1, 90), (33, 33)], 8, 2, D, 16)
+    run_case(b, 8, scale=-0.09)
+    run_case(b, 8, scale=-0.09, window=(50, 0), sinks=True)
+
+
 def test_masked_rows_are_exactly_zero():
     b = build([(6, 3)], 4, 2, 64, 16, pad_rows=0)
     out, lse = paged_attention(**b, scale=0.1, return_lse=True)
