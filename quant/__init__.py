@@ -23,3 +23,23 @@ __all__ += ["write_mla_cache", "gather_upconvert"]
 from .kv_cache import write_kv_cache  # noqa: E402  (MHA paged KV cache writer)
 
 __all__ += ["write_kv_cache"]
+
+from .int8 import (  # noqa: E402  (int8 quantizers, V scale calibration and files)
+    INT8_MAX,
+    INT8_SCALE_FLOOR,
+    calibrate_v_scale,
+    dequantize_per_channel,
+    dequantize_per_token_head,
+    load_v_scales,
+    quantize_per_channel,
+    quantize_per_channel_ref,
+    quantize_per_token_head,
+    quantize_per_token_head_ref,
+    save_v_scales,
+)
+
+__all__ += [
+    "INT8_MAX", "INT8_SCALE_FLOOR", "calibrate_v_scale", "dequantize_per_channel",
+    "dequantize_per_token_head", "load_v_scales", "quantize_per_channel", "quantize_per_channel_ref",
+    "quantize_per_token_head", "quantize_per_token_head_ref", "save_v_scales",
+]
