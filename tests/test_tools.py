@@ -323,7 +323,7 @@ def test_docs_regenerates_between_markers_and_keeps_the_rest(tmp_path, capsys):
     d = tmp_path / "docs"
     (d / "bench").mkdir(parents=True)
     (d / "accuracy").mkdir()
-    shutil.copy(os.path.join(REPO, "docs/bench/h200-2026-11-22-sparse.json"), d / "bench/run-a.json")
+    shutil.copy(os.path.join(REPO, "docs/bench/h200-2026-11-22-all.json"), d / "bench/run-a.json")
     shutil.copy(os.path.join(REPO, "docs/bench/h200-2026-11-22-paged-baseline.json"), d / "bench/run-b.json")
     assert sweep.main(["--family", "mha", "--data", "gaussian", "--out", str(d / "accuracy/cpu.json")]) == 0
     before = "# Benchmarks\n\nHand-written intro.\n\n<!-- generated:bench/run-a -->\nstale table\n" \

@@ -1,0 +1,276 @@
+"""Sparse MLA entries of tools/bench.py: sparse_mla_decode, sparse_mla_prefill, the MLA cache writer
+(write_mla_cache) and gather (gather_upconvert), and convert_req_index_to_global.
+
+Each entry registers itself on import (tools/bench.py imports this module); see bench.py for
+what a case measures and how it is checked.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tools._bench_core import Op, register, rel_l2
+from kernels import reference
+from quant import BF16_MLA, FP8_DS_MLA
+
+CHECK_TOKENS = 8  # the oracle runs in float64: check a slice of the tokens, time them all
+
+
+def random_topk_indices(tokens: int, slots: int, topk: int, device) -> torch.Tensor:
+    """[tokens, topk] int32 distinct slots per token, uniformly random over all slots."""
+    out = torch.empty(tokens, topk, dtype=torch.int32, device=device)
+    step = max(1, (1 << 27) // slots)  # keep the random matrix under ~512 MB
+    for t0 in range(0, tokens, step):
+        t1 = min(tokens, t0 + step)
+        out[t0:t1] = torch.rand(t1 - t0, slots, device=device).topk(topk, dim=-1).indices.to(torch.int32)
+    return out
+
+
+def torch_sparse_attention(q: torch.Tensor, gather: Callable, num_rows: int, indices: torch.Tensor,
+                           scale: float, chunk: int = 256) -> torch.Tensor:
+    """The torch reference baseline: gather rows, bf16 matmuls, fp32 softmax, chunked over tokens.
+
+    gather(idx [t, topk] int64, clamped valid) -> [t, topk, 576] bf16 rows."""
+    out = torch.empty(q.shape[0], q.shape[1], 512, dtype=q.dtype, device=q.device)
+    for t0 in range(0, q.shape[0], chunk):
+        idx = indices[t0:t0 + chunk].long()
+        kv = gather(idx.clamp(0, num_rows - 1))  # [t, topk, 576]
+        s = torch.matmul(q[t0:t0 + chunk], kv.transpose(1, 2)).float() * scale  # [t, H, topk]
+        s.masked_fill_(((idx < 0) | (idx >= num_rows))[:, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).to(q.dtype)
+        out[t0:t0 + chunk] = torch.matmul(p, kv[..., :512])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# sparse MLA decode
+def _decode_build(p, device):
+    fmt = FP8_DS_MLA if p["cache"] == "fp8" else BF16_MLA
+    slots, bs = p["slots"], p["block_size"]
+    nb = slots // bs
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(p["tokens"], p["heads"], 576, device=device, generator=g).bfloat16()
+    cache = torch.empty(nb, bs, fmt.row_width, dtype=fmt.cache_dtype, device=device)
+    for b0 in range(0, nb, 1024):  # pack in pieces to bound temporary memory
+        b1 = min(nb, b0 + 1024)
+        kv_c = torch.randn(b1 - b0, bs, 512, device=device, generator=g).bfloat16()
+        k_pe = torch.randn(b1 - b0, bs, 64, device=device, generator=g).bfloat16()
+        cache[b0:b1] = fmt.pack(kv_c, k_pe)
+    indices = random_topk_indices(p["tokens"], slots, p["topk"], device)
+    return {"q": q, "cache": cache, "indices": indices, "scale": 576 ** -0.5, "fmt": fmt}
+
+
+def _decode_run(x):
+    from kernels.sparse_mla_decode import sparse_mla_decode
+    return sparse_mla_decode(x["q"], x["cache"], x["indices"], scale=x["scale"])[0]
+
+
+def _decode_torch(x):
+    fmt, cache = x["fmt"], x["cache"]
+    flat = cache.reshape(-1, cache.shape[-1])
+    # gather the 656-byte (or bf16) rows, then dequantize only what was gathered
+    return torch_sparse_attention(x["q"], lambda idx: fmt.unpack(flat[idx]).to(torch.bfloat16),
+                                  flat.shape[0], x["indices"], x["scale"])
+
+
+def _decode_error(x, out):
+    sl = slice(0, CHECK_TOKENS)
+    want = reference.sparse_mla_decode_ref(x["q"][sl], x["cache"], x["indices"][sl], scale=x["scale"])[0]
+    return rel_l2(out[sl], want)
+
+
+def _decode_count(p):
+    t, h, k = p["tokens"], p["heads"], p["topk"]
+    row_bytes = 656 if p["cache"] == "fp8" else 1152
+    return 2.0 * t * h * k * (576 + 512), float(t * k * row_bytes)
+
+
+_DECODE_STANDARD = [
+    dict(cache=c, tokens=t, heads=h, topk=2048, slots=262144, block_size=64)
+    for c in ("fp8", "bf16") for t in (128, 32) for h in (16, 32, 64, 128)
+]
+register(Op(
+    name="sparse_mla_decode",
+    shape_sets={
+        "standard": _DECODE_STANDARD,
+        "fp8": [p for p in _DECODE_STANDARD if p["cache"] == "fp8"],
+        "small": [dict(cache="fp8", tokens=4, heads=16, topk=128, slots=4096, block_size=64)],
+    },
+    build=_decode_build, run=_decode_run, torch_ref=_decode_torch, error=_decode_error,
+    count=_decode_count,
+    label=lambda p: f"{p['cache']}-T{p['tokens']}-H{p['heads']}-topk{p['topk']}",
+))
+
+
+# --------------------------------------------------------------------------------------------
+# sparse MLA prefill
+def _prefill_build(p, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(p["tokens"], p["heads"], 576, device=device, generator=g).bfloat16()
+    kv = torch.randn(p["kv_rows"], 576, device=device, generator=g).bfloat16()
+    indices = random_topk_indices(p["tokens"], p["kv_rows"], p["topk"], device)
+    return {"q": q, "kv": kv, "indices": indices, "scale": 576 ** -0.5}
+
+
+def _prefill_run(x):
+    from kernels.sparse_mla_prefill import sparse_mla_prefill
+    return sparse_mla_prefill(x["q"], x["kv"], x["indices"], scale=x["scale"])[0]
+
+
+def _prefill_torch(x):
+    kv = x["kv"]
+    return torch_sparse_attention(x["q"], lambda idx: kv[idx], kv.shape[0], x["indices"], x["scale"])
+
+
+def _prefill_error(x, out):
+    sl = slice(0, CHECK_TOKENS)
+    return rel_l2(out[sl], reference.sparse_mla_ref(x["q"][sl], x["kv"], x["indices"][sl], scale=x["scale"])[0])
+
+
+def _prefill_count(p):
+    t, h, k = p["tokens"], p["heads"], p["topk"]
+    return 2.0 * t * h * k * (576 + 512), float(t * k * 1152)
+
+
+register(Op(
+    name="sparse_mla_prefill",
+    shape_sets={
+        "standard": [dict(tokens=4096, heads=h, topk=2048, kv_rows=32768) for h in (16, 32, 64, 128)],
+        "small": [dict(tokens=8, heads=16, topk=128, kv_rows=1024)],
+    },
+    build=_prefill_build, run=_prefill_run, torch_ref=_prefill_torch, error=_prefill_error,
+    count=_prefill_count,
+    label=lambda p: f"T{p['tokens']}-H{p['heads']}-topk{p['topk']}",
+))
+
+
+# --------------------------------------------------------------------------------------------
+# MLA cache writer and gather (quant/): bytes must equal the torch packer's exactly
+def _write_build(p, device):
+    fmt = FP8_DS_MLA if p["cache"] == "fp8" else BF16_MLA
+    nb = p["slots"] // p["block_size"]
+    g = torch.Generator(device=device).manual_seed(0)
+    cache = torch.empty(nb, p["block_size"], fmt.row_width, dtype=fmt.cache_dtype, device=device)
+    return {"kv_c": torch.randn(p["tokens"], 512, device=device, generator=g).bfloat16(),
+            "k_pe": torch.randn(p["tokens"], 64, device=device, generator=g).bfloat16(),
+            "slots": torch.randperm(p["slots"], device=device)[:p["tokens"]].to(torch.int32),
+            "cache": cache, "fmt": fmt}
+
+
+def _write_run(x):
+    from quant.mla_writer import write_mla_cache
+    write_mla_cache(x["kv_c"], x["k_pe"], x["cache"], x["slots"], check_slots=False)
+    return x["cache"]
+
+
+def _write_torch(x):  # pack, then scatter the rows
+    flat = x["cache"].view(-1, x["cache"].shape[-1])
+    flat.index_copy_(0, x["slots"].long(), x["fmt"].pack(x["kv_c"], x["k_pe"]))
+    return x["cache"]
+
+
+def _write_error(x, cache):
+    rows = cache.view(-1, cache.shape[-1])[x["slots"].long()]
+    want = x["fmt"].pack(x["kv_c"], x["k_pe"])
+    return float((rows.view(torch.uint8) != want.view(torch.uint8)).any())  # 0 = byte-identical
+
+
+def _write_count(p):
+    row = 656 if p["cache"] == "fp8" else 1152
+    return 0.0, float(p["tokens"] * (1152 + row))  # read bf16 latent + rope, write the row
+
+
+register(Op(
+    name="write_mla_cache",
+    shape_sets={"standard": [dict(cache=c, tokens=t, slots=262144, block_size=64)
+                             for c in ("fp8", "bf16") for t in (128, 32768)],
+                "small": [dict(cache=c, tokens=16, slots=1024, block_size=64) for c in ("fp8", "bf16")]},
+    build=_write_build, run=_write_run, torch_ref=_write_torch, error=_write_error, count=_write_count,
+    label=lambda p: f"{p['cache']}-T{p['tokens']}",
+    interpreter_exact=lambda p: p["cache"] == "bf16",  # bf16 in, bf16 out: a copy
+))
+
+
+def _gather_build(p, device):
+    bs, reqs, seq = p["block_size"], p["requests"], p["seq_len"]
+    per_req = -(-seq // bs)
+    nb = reqs * per_req + 16
+    g = torch.Generator(device=device).manual_seed(0)
+    cache = torch.empty(nb, bs, 656, dtype=torch.uint8, device=device)
+    cache.copy_(FP8_DS_MLA.pack(torch.randn(nb, bs, 512, device=device, generator=g).bfloat16(),
+                                torch.randn(nb, bs, 64, device=device, generator=g).bfloat16()))
+    table = torch.randperm(nb, device=device)[:reqs * per_req].view(reqs, per_req).to(torch.int32)
+    seq_lens = torch.full((reqs,), seq, dtype=torch.int32, device=device)
+    starts = torch.arange(reqs, device=device, dtype=torch.int32) * seq
+    dst = torch.empty(reqs * seq, 576, dtype=torch.bfloat16, device=device)
+    return {"cache": cache, "dst": dst, "table": table, "seq_lens": seq_lens, "starts": starts, "seq": seq}
+
+
+def _gather_run(x):
+    from quant.mla_gather import gather_upconvert
+    gather_upconvert(x["cache"], x["dst"], x["table"], x["seq_lens"], x["starts"], max_seq_len=x["seq"])
+    return x["dst"]
+
+
+def _gather_rows(x):
+    bs = x["cache"].shape[1]
+    pos = torch.arange(x["seq"], device=x["dst"].device)
+    slots = (x["table"].long()[:, pos // bs] * bs + pos % bs).reshape(-1)
+    return x["cache"].view(-1, 656)[slots]
+
+
+def _gather_torch(x):
+    x["dst"].copy_(FP8_DS_MLA.unpack(_gather_rows(x)))
+    return x["dst"]
+
+
+def _gather_error(x, dst):
+    return rel_l2(dst.float(), FP8_DS_MLA.unpack(_gather_rows(x)).bfloat16().float())
+
+
+register(Op(
+    name="gather_upconvert",
+    shape_sets={"standard": [dict(requests=r, seq_len=s, block_size=64) for r, s in ((1, 32768), (4, 8192))],
+                "small": [dict(requests=2, seq_len=100, block_size=64)]},
+    build=_gather_build, run=_gather_run, torch_ref=_gather_torch, error=_gather_error,
+    count=lambda p: (0.0, float(p["requests"] * p["seq_len"] * (656 + 1152))),
+    label=lambda p: f"R{p['requests']}-seq{p['seq_len']}",
+))
+
+
+# --------------------------------------------------------------------------------------------
+# convert_req_index_to_global (sparse MLA: per-request top-k token index -> global cache slot)
+def _convert_build(p, device):
+    T, K, R, M, bs = p["tokens"], p["topk"], p["requests"], p["max_blocks"], p["block_size"]
+    g = torch.Generator(device=device).manual_seed(0)
+    idx = torch.randint(0, M * bs, (T, K), device=device, generator=g, dtype=torch.int32)
+    idx[torch.rand(T, K, device=device, generator=g) < 0.05] = -1  # topk padding
+    return {"req_id": (torch.arange(T, device=device) % R).to(torch.int32),
+            "table": torch.randperm(R * M + 7, device=device)[:R * M].view(R, M).to(torch.int32),
+            "idx": idx, "bs": bs}
+
+
+def _convert_run(x):
+    from kernels.index import convert_req_index_to_global
+    return convert_req_index_to_global(x["req_id"], x["table"], x["idx"], x["bs"])
+
+
+def _convert_torch(x):
+    return reference.convert_req_index_ref(x["req_id"], x["table"], x["idx"], x["bs"])
+
+
+def _convert_error(x, out):
+    return float(not torch.equal(out, reference.convert_req_index_ref(x["req_id"], x["table"], x["idx"], x["bs"])))
+
+
+register(Op(
+    name="convert_req_index_to_global",
+    shape_sets={"standard": [dict(tokens=t, topk=2048, requests=r, max_blocks=512, block_size=64)
+                             for t, r in ((128, 128), (4096, 4))],
+                "small": [dict(tokens=8, topk=100, requests=2, max_blocks=8, block_size=16)]},
+    build=_convert_build, run=_convert_run, torch_ref=_convert_torch, error=_convert_error,
+    count=lambda p: (0.0, float(p["tokens"] * p["topk"] * 4 * 3)),  # index in, table entry, slot out
+    label=lambda p: f"T{p['tokens']}-topk{p['topk']}-R{p['requests']}",
+    interpreter_exact=lambda p: True,  # integer work only
+))
