@@ -5,6 +5,13 @@ Caches are [num_blocks, block_size, H_kv, D] ("NHD") or [num_blocks, H_kv, block
 
     fp8 = e4m3fn(rne(x_fp32 / scale)), saturating at +-448 (NaN stays NaN)
 
+or int8 (DESIGN.md "int8 caches"; the rule and its NaN/inf policy are `quant/int8.py`'s, applied
+through its jit helpers so the bytes equal its torch references):
+  - `int8_qkv`: int8 K with a dynamic per-(token, head) fp32 scale s = max(amax / 127, 1e-8)
+    stored in a K-scale cache [num_blocks, H_kv, block_size] (both layouts), and int8 V with a
+    static per-channel scale v_scale [H_kv, D] fp32 given by the caller;
+  - `int8_qk`: int8 K as above, V in the model dtype (a bf16/fp16 V cache).
+
 Token t goes to slot s = slot_mapping[t], that is block s // block_size, offset s % block_size,
 through the caches' real strides (a cache may be a strided view). A slot < 0 is skipped (vLLM
 pads batches with -1).
@@ -18,10 +25,12 @@ import triton
 import triton.language as tl
 
 from ._validate import check_same_device, check_tensor, fail
+from .int8 import INT8_SCALE_FLOOR, int8_quantize_rows, int8_quantize_with_scale
 from .mla_formats import FP8_E4M3_MAX
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8)
+_MODEL_DTYPES = (torch.bfloat16, torch.float16)  # the V cache of int8_qk
 LAYOUTS = ("NHD", "HND")
 
 
@@ -60,12 +69,14 @@ def _quantize(x, scale_ptr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, dtype: 
 
 @triton.jit
 def write_kv_cache_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, ksc_ptr,
     H, D, NUM_SLOTS, BLOCK_SIZE,
     s_kt, s_kh, s_vt, s_vh,
     s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch,
+    s_kscb, s_ksch, s_ksct, s_vsh, s_vsd,
     IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    K_INT8: tl.constexpr, V_INT8: tl.constexpr, SCALE_FLOOR: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i_t).to(tl.int64)
@@ -79,67 +90,103 @@ def write_kv_cache_kernel(
 
         b_k = tl.load(k_ptr + i_t * s_kt + o_h[:, None] * s_kh + o_d[None, :], mask=m_hd)
         b_v = tl.load(v_ptr + i_t * s_vt + o_h[:, None] * s_vh + o_d[None, :], mask=m_hd)
-        b_k = _quantize(b_k, k_scale_ptr, IS_FP8, FP8_MAX, kc_ptr.dtype.element_ty)
-        b_v = _quantize(b_v, v_scale_ptr, IS_FP8, FP8_MAX, vc_ptr.dtype.element_ty)
+        if K_INT8:
+            # Masked-off lanes must be 0 for the abs-max (the loads above leave them undefined).
+            b_k, b_ks = int8_quantize_rows(tl.where(m_hd, b_k.to(tl.float32), 0.0), SCALE_FLOOR)
+            tl.store(ksc_ptr + i_b * s_kscb + o_h * s_ksch + i_o * s_ksct, b_ks, mask=o_h < H)
+        else:
+            b_k = _quantize(b_k, k_scale_ptr, IS_FP8, FP8_MAX, kc_ptr.dtype.element_ty)
+        if V_INT8:
+            # other=1: masked lanes divide by 1, never by 0 (they are not stored).
+            b_vs = tl.load(v_scale_ptr + o_h[:, None] * s_vsh + o_d[None, :] * s_vsd, mask=m_hd,
+                           other=1.0)
+            b_v = int8_quantize_with_scale(b_v.to(tl.float32), b_vs)
+        else:
+            b_v = _quantize(b_v, v_scale_ptr, IS_FP8, FP8_MAX, vc_ptr.dtype.element_ty)
         p_kc = kc_ptr + i_b * s_kcb + i_o * s_kct + o_h[:, None] * s_kch + o_d[None, :]
         p_vc = vc_ptr + i_b * s_vcb + i_o * s_vct + o_h[:, None] * s_vch + o_d[None, :]
         tl.store(p_kc, b_k, mask=m_hd)
         tl.store(p_vc, b_v, mask=m_hd)
 
 
-def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout):
+def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
+            k_scale_cache=None):
     T, H, D = key.shape
     if T == 0 or H == 0:
         return
     nb, bs, _, _ = cache_dims(k_cache, layout)
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_int8 = k_cache.dtype == torch.int8
+    v_int8 = v_cache.dtype == torch.int8
     block_d = triton.next_power_of_2(D)
     block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_d))
     scale_k = k_scale if is_fp8 else slot_mapping  # never read unless IS_FP8
-    scale_v = v_scale if is_fp8 else slot_mapping
+    scale_v = v_scale if is_fp8 or v_int8 else slot_mapping  # read if IS_FP8 or V_INT8
+    ksc = k_scale_cache if k_int8 else slot_mapping  # never written unless K_INT8
+    ksc_strides = k_scale_cache.stride() if k_int8 else (0, 0, 0)
+    vs_strides = v_scale.stride() if v_int8 else (0, 0)
     grid = (T, triton.cdiv(H, block_h))
     write_kv_cache_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping, scale_k, scale_v,
+        key, value, k_cache, v_cache, slot_mapping, scale_k, scale_v, ksc,
         H, D, nb * bs, bs,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *cache_strides(k_cache, layout), *cache_strides(v_cache, layout),
+        *ksc_strides, *vs_strides,
         IS_FP8=is_fp8, FP8_MAX=FP8_E4M3_MAX, BLOCK_H=block_h, BLOCK_D=block_d,
+        K_INT8=k_int8, V_INT8=v_int8, SCALE_FLOOR=INT8_SCALE_FLOOR,
     )
 
 
-@torch.library.custom_op("openmla::write_kv_cache", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("openmla::write_kv_cache",
+                         mutates_args=("k_cache", "v_cache", "k_scale_cache"))
 def _write_kv_cache_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                       layout: str) -> None:
-    _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout)
+                       layout: str, k_scale_cache: Optional[torch.Tensor] = None) -> None:
+    _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache)
 
 
 @_write_kv_cache_op.register_fake
-def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout):
+def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache=None):
     return None
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                   layout: str = "NHD", check_slots: bool = True) -> None:
+                   layout: str = "NHD", check_slots: bool = True,
+                   k_scale_cache: Optional[torch.Tensor] = None) -> None:
     """Write new keys and values into paged caches, in place.
+
+    The cache mode follows from the cache dtypes:
+      - both bf16, both fp16, or both float8_e4m3fn (per-tensor scales);
+      - `int8_qkv`: k_cache and v_cache int8 (K scales dynamic into k_scale_cache, V scale static);
+      - `int8_qk`: k_cache int8, v_cache bf16/fp16 (V stored as value.to(v_cache.dtype)).
+    Other mixes involving int8 (int8 V with a non-int8 K, fp8 with int8) raise NotImplementedError.
 
     Args:
         key, value: [T, H_kv, D] bf16/fp16/fp32, last dim contiguous (any token/head strides).
         k_cache, v_cache: [num_blocks, block_size, H_kv, D] ("NHD") or
-            [num_blocks, H_kv, block_size, D] ("HND"), both bf16, both fp16 or both
-            float8_e4m3fn; last dim contiguous, other strides free (strided views welcome).
+            [num_blocks, H_kv, block_size, D] ("HND"), same shape, dtypes as above; last dim
+            contiguous, other strides free (strided views welcome).
         slot_mapping: [T] int32/int64; token t goes to slot s = block * block_size + offset.
             s < 0 is skipped (padding).
-        k_scale, v_scale: [1] fp32 per-tensor scales, required for an fp8 cache and only there:
+        k_scale, v_scale: for an fp8 cache, [1] fp32 per-tensor scales (required):
             fp8 = e4m3fn(rne(x_fp32 / scale)), saturating at +-448.
+            For an int8 V cache, v_scale is the static per-channel scale [H_kv, D] fp32 (required;
+            positive and finite, as `calibrate_v_scale` / `load_v_scales` give it; any strides):
+            v_int8 = clamp(rne(v_fp32 / v_scale[h, d]), -127, 127), NaN -> 0.
+            None everywhere else (k_scale is always None with an int8 K: its scales are dynamic).
         layout: "NHD" or "HND".
         check_slots: when True (default) a slot >= num_blocks * block_size raises ValueError.
             That check reads slot_mapping on the host: ONE device sync per call. Pass False in
             the decode/run path (CUDA graphs): out-of-range slots are then skipped in the kernel,
             never written.
+        k_scale_cache: [num_blocks, H_kv, block_size] fp32 (in both layouts; any strides),
+            required with an int8 k_cache and only there. Slot s of head h receives the scale of
+            its key: max(amax / 127, 1e-8) over key[t, h, :] in fp32, and k_cache receives
+            clamp(rne(key_fp32 / scale), -127, 127) (NaN/inf policy of `quant/int8.py`). Both equal
+            `quant.int8.quantize_per_token_head_ref(key)` bit for bit.
 
     bf16/fp16 caches receive key.to(cache dtype) (round to nearest even).
     """
@@ -154,23 +201,58 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     if (h_kv, d) != (H, D):
         fail(f"k_cache.shape ({layout})", f"H_kv = {H} and D = {D} as in key",
              f"H_kv = {h_kv}, D = {d} (shape {want})")
-    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=want, last_dim_contiguous=True)
+    k_int8 = k_cache.dtype == torch.int8
+    if k_int8:
+        check_tensor("v_cache", v_cache, dtype=_CACHE_DTYPES, shape=want, last_dim_contiguous=True)
+        if v_cache.dtype not in (torch.int8,) + _MODEL_DTYPES:
+            raise NotImplementedError(
+                f"write_kv_cache: an int8 k_cache with a {v_cache.dtype} v_cache (supported: int8 "
+                "V (int8_qkv) or bf16/fp16 V (int8_qk))")
+    elif isinstance(v_cache, torch.Tensor) and v_cache.dtype == torch.int8:
+        raise NotImplementedError(
+            f"write_kv_cache: an int8 v_cache with a {k_cache.dtype} k_cache (int8 V needs an int8 "
+            "k_cache: the int8_qkv mode)")
+    else:
+        check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=want, last_dim_contiguous=True)
     check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(T,),
                  contiguous=True)
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if is_fp8:
-            if s is None:
-                fail(name, "a [1] fp32 tensor for a float8_e4m3fn cache", None)
-            check_tensor(name, s, dtype=torch.float32, shape=(1,))
-        elif s is not None:
-            fail(name, f"None for a {k_cache.dtype} cache (scales quantize fp8 only)",
-                 "a tensor")
+    if k_int8:
+        _check_int8_scales(k_scale, v_scale, k_scale_cache, v_cache.dtype, nb, bs, H, D)
+    else:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if is_fp8:
+                if s is None:
+                    fail(name, "a [1] fp32 tensor for a float8_e4m3fn cache", None)
+                check_tensor(name, s, dtype=torch.float32, shape=(1,))
+            elif s is not None:
+                fail(name, f"None for a {k_cache.dtype} cache (scales quantize fp8 only)",
+                     "a tensor")
+        if k_scale_cache is not None:
+            fail("k_scale_cache", f"None for a {k_cache.dtype} k_cache (int8 K only)", "a tensor")
     check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                      slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
+                      slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                      k_scale_cache=k_scale_cache)
     if check_slots and T > 0:
         top = int(slot_mapping.max())  # the one host sync (see check_slots)
         if top >= nb * bs:
             fail("slot_mapping", f"slots < num_blocks * block_size = {nb * bs} (or < 0: skip)",
                  f"max {top}")
-    _write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout)
+    _write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
+                       k_scale_cache)
+
+
+def _check_int8_scales(k_scale, v_scale, k_scale_cache, v_dtype, nb, bs, H, D) -> None:
+    """Scale arguments of the int8 modes (an int8 k_cache), see write_kv_cache."""
+    if k_scale is not None:
+        fail("k_scale", "None for an int8 k_cache (K scales are dynamic, written to k_scale_cache)",
+             "a tensor")
+    if k_scale_cache is None:
+        fail("k_scale_cache", f"a [{nb}, {H}, {bs}] fp32 tensor for an int8 k_cache", None)
+    check_tensor("k_scale_cache", k_scale_cache, dtype=torch.float32, shape=(nb, H, bs))
+    if v_dtype == torch.int8:
+        if v_scale is None:
+            fail("v_scale", f"a [{H}, {D}] fp32 per-channel scale for an int8 v_cache", None)
+        check_tensor("v_scale", v_scale, dtype=torch.float32, shape=(H, D))
+    elif v_scale is not None:
+        fail("v_scale", f"None for a {v_dtype} v_cache (int8_qk: V is not quantized)", "a tensor")
