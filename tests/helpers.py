@@ -4,10 +4,15 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+# Full-size cases: every kind of case also has a small CPU case; these sizes run on the GPU only.
+GPU_ONLY = pytest.mark.skipif(INTERPRET or DEVICE == "cpu",
+                              reason="too slow for the CPU interpreter; runs on GPU")
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1

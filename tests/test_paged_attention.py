@@ -16,11 +16,9 @@ import torch
 
 from kernels.paged_attention import paged_attention, varlen_attention
 from kernels.reference import attention_varlen_ref, paged_attention_ref
-from tests.helpers import DEVICE, INT32_MAX, INTERPRET, assert_close
+from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, INTERPRET, assert_close
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-GPU_ONLY = pytest.mark.skipif(INTERPRET or DEVICE == "cpu",
-                              reason="too slow for the CPU interpreter; runs on GPU")
 
 
 def _kv(n: int) -> int:

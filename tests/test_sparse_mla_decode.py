@@ -14,10 +14,8 @@ import torch
 from kernels.reference import sparse_mla_decode_ref
 from kernels.sparse_mla_decode import _launch, sparse_mla_decode
 from quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
-from tests.helpers import DEVICE, INTERPRET, assert_close, invalid_indices, random_paged_cache
+from tests.helpers import DEVICE, GPU_ONLY, assert_close, invalid_indices, random_paged_cache
 
-GPU_ONLY = pytest.mark.skipif(INTERPRET or DEVICE == "cpu",
-                              reason="too slow for the CPU interpreter; runs on GPU")
 SCALE = 0.083
 FORMATS = {"fp8": FP8_DS_MLA, "fp8raw": FP8_DS_MLA_RAW, "bf16": BF16_MLA}
 

@@ -21,10 +21,8 @@ import torch
 
 from kernels.reference import sparse_mla_ref
 from kernels.sparse_mla_prefill import sparse_mla_prefill
-from tests.helpers import DEVICE, INTERPRET, assert_close, invalid_indices
+from tests.helpers import DEVICE, GPU_ONLY, assert_close, invalid_indices
 
-GPU_ONLY = pytest.mark.skipif(INTERPRET or DEVICE == "cpu",
-                              reason="too slow for the CPU interpreter; runs on GPU")
 DEFAULT_SCALE = 576 ** -0.5
 
 
