@@ -51,8 +51,9 @@ from triton.language.extra import libdevice
 
 from kernels._device import num_sms
 from kernels.merge import merge_finish, merge_step
+from quant.int8 import INT8_SCALE_FLOOR, int8_quantize_rows
 from quant._validate import check_same_device, check_tensor, fail
-from quant.kv_cache import LAYOUTS, cache_dims, cache_strides
+from quant.kv_cache import LAYOUTS, cache_dims, cache_strides, check_int8_cache_scales
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -67,6 +68,7 @@ MAX_SPLITS = 64
 # Programs per SM the split count aims for.
 WAVES = 2
 _SMEM_BYTES = 227 * 1024  # Hopper's per-block shared-memory limit (sm_90)
+_INT8_FLOOR = tl.constexpr(INT8_SCALE_FLOOR)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +115,7 @@ def _prune(configs, named_args, **kwargs):
         # queries copy K/V straight to shared memory (no operand tile in registers) and keep
         # their interior loop free of spills up to 144 accumulator + score values per thread
         # (scratch/paged_perf/sweep_long.txt: D=128 128x128 at 8 warps is 128).
-        if not want_m and not kwargs["IS_FP8"]:
+        if not want_m and not (kwargs["IS_FP8"] or kwargs["K_INT8"] or kwargs["V_INT8"]):
             if (bm * d + bm * bn) / (32 * w) > 144:
                 continue
         elif (bm * d + bm * bn + bn * d) / (32 * w) > 176:
@@ -134,8 +136,8 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_qpos,
                  context_len, b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS,
-                 kv_start, s_kb, s_kt, s_vb, s_vt, o_d, m_d,
-                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 kv_start, s_kb, s_kt, s_vb, s_vt, o_d, m_d, b_qs, p_ks, s_kscb, s_ksct,
+                 K_INT8: tl.constexpr, PV_DT: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                  ALIBI_SQRT: tl.constexpr, IS_FP8: tl.constexpr, KV_SAME: tl.constexpr,
@@ -143,7 +145,11 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
     """One BLOCK_N key tile (starting at n0, a multiple of BLOCK_N) of the online softmax.
     MASKED=False is an interior tile: every key is < seq_len, inside every row's causal / window
     bounds and behind a valid block id (b_blk_in, loaded by the caller), so neither the loads
-    nor the scores need a mask."""
+    nor the scores need a mask.
+    K_INT8: b_q is int8 with per-row scales b_qs (softmax scale folded in); the int32 score tile
+    is scaled by b_qs per row and by the keys' scales (k-scale cache, p_ks) per column. P.V runs
+    in PV_DT (q's dtype): an int8 V converts exactly and its per-channel scale is the caller's
+    epilogue."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         m_n = (o_n >= lo) & (o_n < n_end)
@@ -188,9 +194,19 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
         b_k = tl.load(p_k + o_kr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
     else:
         b_k = tl.load(p_k + o_kr[:, None] + o_d[None, :])
-    b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
-    if MASKED or HAS_SOFTCAP or HAS_ALIBI or IS_FP8:
-        b_s = b_s * qk_scale
+    if K_INT8:
+        b_s = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32).to(tl.float32)
+        # Scales of this tile's keys: [num_blocks, H_kv, block_size] rows at the keys' slots.
+        if MASKED:
+            b_ks = tl.load(p_ks + b_blk * s_kscb + o_pin * s_ksct, mask=m_n, other=0.0)
+        else:
+            b_ks = tl.load(p_ks + b_blk * s_kscb + o_pin * s_ksct)
+        b_s = b_s * b_qs[:, None] * b_ks[None, :]
+    else:
+        b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI or IS_FP8 or K_INT8:
+        if not K_INT8:  # int8: b_qs already holds the scale
+            b_s = b_s * qk_scale
         if HAS_SOFTCAP:
             b_s = softcap2 * libdevice.tanh(b_s / softcap2)
         if MASKED:
@@ -225,27 +241,29 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
         b_v = tl.load(p_v + o_vr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
     else:
         b_v = tl.load(p_v + o_vr[:, None] + o_d[None, :])
-    acc = tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), acc * alpha[:, None])
+    acc = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), acc * alpha[:, None])
     return acc, m_new, l_i
 
 
 @triton.autotune(configs=_CONFIGS,
-                 key=["BLOCK_M_WANT", "GQA", "HEAD_DIM", "PAGE_SIZE", "IS_FP8", "NUM_SPLITS"],
+                 key=["BLOCK_M_WANT", "GQA", "HEAD_DIM", "PAGE_SIZE", "IS_FP8", "K_INT8", "V_INT8",
+                      "NUM_SPLITS"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, lens_ptr,
-    alibi_ptr, sink_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
+    alibi_ptr, sink_ptr, k_scale_ptr, v_scale_ptr, ksc_ptr, out_ptr, lse_ptr,
     T, R, NUM_BLOCKS, MAX_KV,
     qk_scale2, softcap2, win_left, win_right,
     s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
-    s_os, s_ot, s_oh, s_ls, s_lt, s_lh,
+    s_os, s_ot, s_oh, s_ls, s_lt, s_lh, s_kscb, s_ksch, s_ksct, s_vsh, s_vsd,
     BLOCK_M_WANT: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, IS_FP8: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, ALIBI_SQRT: tl.constexpr, HAS_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, NEG_Q: tl.constexpr,
-    KV_SAME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_SAME: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i_qb = tl.program_id(0)
     if BLOCK_M_WANT == 0:
@@ -317,6 +335,15 @@ def paged_attention_kernel(
     qk_scale = qk_scale2
     if IS_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    PV_DT: tl.constexpr = q_ptr.dtype.element_ty
+    if K_INT8:
+        # Q quantized per (token, head) here, by quant/int8.py's rule (bit-equal to
+        # quantize_per_token_head_ref of q; padding rows are all 0 and stay 0). The softmax scale
+        # joins each row's scale once, so a score costs two multiplies on the int32 dot.
+        b_q, b_qs = int8_quantize_rows(b_q.to(tl.float32), _INT8_FLOOR)
+        b_qs = b_qs * qk_scale
+    else:
+        b_qs = qk_scale  # unused
     if HAS_ALIBI:
         b_slope = tl.load(alibi_ptr + o_h, mask=m_m, other=0.0) * 1.4426950408889634
     else:
@@ -334,6 +361,7 @@ def paged_attention_kernel(
 
     p_k = k_ptr + i_kvh * s_kh
     p_v = v_ptr + i_kvh * s_vh
+    p_ks = ksc_ptr + i_kvh * s_ksch
     if IS_PAGED:
         p_bt = bt_ptr + i_r.to(tl.int64) * s_bt
         kv_start = 0
@@ -391,7 +419,8 @@ def paged_attention_kernel(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk, n0, lo, n_end, o_qpos, context_len,
                 b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
-                s_kb, s_kt, s_vb, s_vt, o_d, m_d, False, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
+                s_kb, s_kt, s_vb, s_vt, o_d, m_d, b_qs, p_ks, s_kscb, s_ksct, K_INT8, PV_DT,
+                False, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
                 CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N)
         # Masked tiles: [n_start, n_in) then [n_out, n_end).
         n_head = (n_in - n_start) // BLOCK_N
@@ -401,18 +430,22 @@ def paged_attention_kernel(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, b_q, p_k, p_v, p_bt, 0, n0, lo, n_end, o_qpos, context_len,
                 b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
-                s_kb, s_kt, s_vb, s_vt, o_d, m_d, True, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
+                s_kb, s_kt, s_vb, s_vt, o_d, m_d, b_qs, p_ks, s_kscb, s_ksct, K_INT8, PV_DT,
+                True, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
                 CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N)
     else:
         for n0 in range(n_start, n_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, b_q, p_k, p_v, p_bt, 0, n0, lo, n_end, o_qpos, context_len,
                 b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
-                s_kb, s_kt, s_vb, s_vt, o_d, m_d, True, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
+                s_kb, s_kt, s_vb, s_vt, o_d, m_d, b_qs, p_ks, s_kscb, s_ksct, K_INT8, PV_DT,
+                True, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
                 CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N)
 
     if IS_FP8:
         acc = acc * tl.load(v_scale_ptr)
+    if V_INT8:  # the static per-channel V scale, once per output (splits merge linearly after it)
+        acc = acc * tl.load(v_scale_ptr + i_kvh * s_vsh + o_d * s_vsd, mask=m_d, other=0.0)[None, :]
     has = l_i > 0
     b_o = acc * tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)[:, None]
     b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
@@ -478,9 +511,10 @@ def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms:
 
 def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, window, softcap,
             alibi_slopes, alibi_sqrt, sinks, k_scale, v_scale, layout, max_q, max_kv,
-            num_splits):
+            num_splits, k_scale_cache=None):
     """Run on validated inputs. block_table None: encoder mode, k/v are [Tk, H_kv, D] and lens
-    is cu_seqlens_k. Writes out (and lse when given)."""
+    is cu_seqlens_k. Writes out (and lse when given). An int8 k (int8_qk / int8_qkv) comes with
+    its k_scale_cache; v_scale is then None (int8_qk) or the per-channel [H_kv, D] scale."""
     T, H, D = q.shape
     R = cu_seqlens_q.shape[0] - 1
     paged = block_table is not None
@@ -499,7 +533,11 @@ def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, w
     gqa = H // H_kv
     block_m_want, splits = _plan(T, R, H_kv, gqa, max_q, max_kv, num_sms(q.device), num_splits)
     is_fp8 = k.dtype == torch.float8_e4m3fn
+    k_int8, v_int8 = k.dtype == torch.int8, v.dtype == torch.int8
     dummy = cu_seqlens_q  # pointer arguments the kernel never reads under its flags
+    ksc = k_scale_cache if k_int8 else dummy
+    s_ksc = tuple(k_scale_cache.stride()) if k_int8 else (0, 0, 0)
+    s_vs = tuple(v_scale.stride()) if v_int8 else (0, 0)
     if splits > 1:
         part_out = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
@@ -516,18 +554,20 @@ def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, w
         q, k, v, block_table, cu_seqlens_q, lens,
         alibi_slopes if alibi_slopes is not None else dummy,
         sinks if sinks is not None else dummy,
-        k_scale if is_fp8 else dummy, v_scale if is_fp8 else dummy,
+        k_scale if is_fp8 else dummy, v_scale if (is_fp8 or v_int8) else dummy, ksc,
         o_args[0], o_args[1],
         T, R, num_blocks, kv_cap,
         abs(scale) * LOG2E, softcap * LOG2E, left, right,
         q.stride(0), q.stride(1), s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
-        *o_args[2:],
-        BLOCK_M_WANT=block_m_want, GQA=gqa, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        *o_args[2:], *s_ksc, *s_vs,
+        # int8 dots take K in steps of 32 (mma k32).
+        BLOCK_M_WANT=block_m_want, GQA=gqa, HEAD_DIM=D,
+        BLOCK_D=max(32 if k_int8 else 16, triton.next_power_of_2(D)),
         PAGE_SIZE=page, IS_PAGED=paged, IS_FP8=is_fp8,
         CAUSAL=causal, HAS_WINDOW=left >= 0 or right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, ALIBI_SQRT=alibi_sqrt, HAS_SINKS=sinks is not None,
         NUM_SPLITS=splits, WRITE_LSE=write_lse, NEG_Q=scale < 0,
-        KV_SAME=(s_kb, s_kt) == (s_vb, s_vt),
+        KV_SAME=(s_kb, s_kt) == (s_vb, s_vt), K_INT8=k_int8, V_INT8=v_int8,
     )
     if splits > 1:
         block_d = triton.next_power_of_2(D)
@@ -551,10 +591,11 @@ def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         softcap: float, alibi_slopes: Optional[torch.Tensor], alibi_sqrt: bool,
                         sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
                         v_scale: Optional[torch.Tensor], layout: str, max_query_len: int,
-                        max_kv_len: int, num_splits: int) -> None:
+                        max_kv_len: int, num_splits: int,
+                        k_scale_cache: Optional[torch.Tensor] = None) -> None:
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, scale, causal,
             (window_left, window_right), softcap, alibi_slopes, alibi_sqrt, sinks, k_scale,
-            v_scale, layout, max_query_len, max_kv_len, num_splits or None)
+            v_scale, layout, max_query_len, max_kv_len, num_splits or None, k_scale_cache)
 
 
 @_paged_attention_op.register_fake
@@ -603,6 +644,24 @@ def _check_options(q, H, scale, window, softcap, alibi_slopes, sinks):
     return scale, (int(window[0]), int(window[1])), softcap
 
 
+def _check_fp8_scales(k_scale, v_scale, k_scale_cache, cache_dtype, device):
+    """[k_scale, v_scale] of a bf16/fp16 (None) or fp8 (per-tensor [1], default 1.0) cache."""
+    if k_scale_cache is not None:
+        fail("k_scale_cache", f"None for a {cache_dtype} k_cache (int8 K only)", "a tensor")
+    scales = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if cache_dtype != torch.float8_e4m3fn:
+            if s is not None:
+                fail(name, f"None for a {cache_dtype} cache (scales dequantize fp8 only)",
+                     "a tensor")
+        elif s is None:
+            s = torch.ones(1, dtype=torch.float32, device=device)
+        else:
+            check_tensor(name, s, dtype=torch.float32, shape=(1,))
+        scales.append(s)
+    return scales
+
+
 def _check_q_out(q, out, return_lse):
     check_tensor("q", q, dtype=_Q_DTYPES, ndim=3, last_dim_contiguous=True)
     T, H, D = q.shape
@@ -638,7 +697,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     sinks: Optional[torch.Tensor] = None, k_scale: Optional[torch.Tensor] = None,
                     v_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                     return_lse: bool = False, layout: str = "NHD",
-                    max_query_len: Optional[int] = None, num_splits: Optional[int] = None):
+                    max_query_len: Optional[int] = None, num_splits: Optional[int] = None,
+                    k_scale_cache: Optional[torch.Tensor] = None):
     """Attention of varlen queries over a paged KV cache (vLLM FlashAttention semantics).
 
     Args:
@@ -648,6 +708,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             [num_blocks, H_kv, block_size, D] ("HND"), q's dtype or float8_e4m3fn; last dim
             contiguous, other strides free (strided views, interleaved layers). H % H_kv == 0:
             query head h reads KV head h // (H // H_kv). Any block_size >= 1.
+            int8 caches (DESIGN.md, as `quant.kv_cache.write_kv_cache` writes them; D a
+            multiple of 8): an int8 k_cache with an int8 v_cache is `int8_qkv`, with a v_cache in
+            q's dtype `int8_qk`. Q is then quantized per (token, head) inside the kernel
+            (`quant.int8` rule), Q.K is an int8 dot with int32 accumulation scaled by
+            s_q * s_k[token] * scale, and an int8 V is converted exactly for the P.V dot with
+            its per-channel scale applied once to the output.
         block_table: [R, M] int32, last dim contiguous; token p of request r lives in block
             block_table[r, p // block_size] at offset p % block_size. Only entries for positions
             < seq_lens[r] are read; block offsets are computed in 64 bits. An invalid entry
@@ -665,7 +731,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             s += slope[h] * -sqrt(context_len + i - j) for j <= context_len + i (else 0).
         sinks: [H] fp32: one more logit per head in the denominator (no value); lse includes it.
         k_scale, v_scale: [1] fp32 per-tensor dequantization scales of an fp8 cache (None = 1.0);
-            must be None for a bf16/fp16 cache.
+            must be None for a bf16/fp16 cache. int8: k_scale None; v_scale the static
+            per-channel scale [H_kv, D] fp32 of an int8 V (int8_qkv), None for int8_qk.
         out: optional [T, H, D] in q's dtype (last dim contiguous) to write into.
         return_lse: also return lse.
         layout: "NHD" or "HND".
@@ -677,6 +744,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_splits: None (choose from shapes and the SM count: short queries split when the
             grid underfills the GPU, long ones never) or a positive int forcing the split-KV
             count of any launch (tests, benchmarks, long-context chunked prefill).
+        k_scale_cache: [num_blocks, H_kv, block_size] fp32 (any strides), the per-(token, head)
+            K scales of an int8 k_cache (required there, None otherwise).
 
     Returns:
         out [T, H, D] in q's dtype; with return_lse also lse [T, H] fp32 natural log.
@@ -686,7 +755,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     T, H, D = q.shape
     if layout not in LAYOUTS:
         fail("layout", "'NHD' or 'HND'", repr(layout))
-    check_tensor("k_cache", k_cache, dtype=(q.dtype, torch.float8_e4m3fn), ndim=4,
+    check_tensor("k_cache", k_cache, dtype=(q.dtype, torch.float8_e4m3fn, torch.int8), ndim=4,
                  last_dim_contiguous=True)
     nb, page, H_kv, d = cache_dims(k_cache, layout)
     want = tuple(k_cache.shape)
@@ -694,36 +763,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         fail(f"k_cache.shape ({layout})", f"head size {D} as q", want)
     if H_kv == 0 or H % H_kv:
         fail(f"k_cache.shape ({layout})", f"H_kv dividing H = {H}", want)
-    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=want, last_dim_contiguous=True)
+    k_int8 = k_cache.dtype == torch.int8
+    v_dtypes = (torch.int8, q.dtype) if k_int8 else k_cache.dtype
+    check_tensor("v_cache", v_cache, dtype=v_dtypes, shape=want, last_dim_contiguous=True)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
     R, M = block_table.shape
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(R + 1,), contiguous=True)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(R,), contiguous=True)
     scale, window, softcap = _check_options(q, H, scale, window, softcap, alibi_slopes, sinks)
-    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    scales = []
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not is_fp8:
-            if s is not None:
-                fail(name, f"None for a {k_cache.dtype} cache (scales dequantize fp8 only)",
-                     "a tensor")
-        elif s is None:
-            s = torch.ones(1, dtype=torch.float32, device=q.device)
-        else:
-            check_tensor(name, s, dtype=torch.float32, shape=(1,))
-        scales.append(s)
+    if k_int8:
+        if D % 8:
+            raise NotImplementedError(f"int8 KV caches: head size {D} (supported: multiples of 8)")
+        check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_cache.dtype, nb, page, H_kv, D)
+        scales = [None, v_scale]
+    else:
+        scales = _check_fp8_scales(k_scale, v_scale, k_scale_cache, k_cache.dtype, q.device)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         fail("num_splits", "None or an int >= 1", num_splits)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
                       cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, out=out,
                       alibi_slopes=alibi_slopes, sinks=sinks, k_scale=scales[0],
-                      v_scale=scales[1])
+                      v_scale=scales[1], k_scale_cache=k_scale_cache)
     if T > 0:
         max_q = _max_query_len(max_query_len, cu_seqlens_q, T, R)
         _paged_attention_op(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse,
                             scale, bool(causal), window[0], window[1], softcap, alibi_slopes,
                             bool(alibi_sqrt), sinks, scales[0], scales[1], layout, max_q,
-                            M * page, num_splits or 0)
+                            M * page, num_splits or 0, k_scale_cache)
     return (out, lse) if return_lse else out
 
 

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from quant._validate import check_tensor, fail
+from quant.int8 import dequantize_per_token_head, quantize_per_token_head_ref
 from quant.mla_formats import mla_format_of
 
 __all__ = [
@@ -280,7 +281,8 @@ def _gather_paged(cache, blocks, offsets, layout, kv_scale, name):
 
 def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, scale,
                         causal=True, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                        alibi_sqrt=False, sinks=None, k_scale=None, v_scale=None, layout="NHD"):
+                        alibi_sqrt=False, sinks=None, k_scale=None, v_scale=None, layout="NHD",
+                        k_scale_cache=None):
     """Attention of varlen queries over a paged KV cache (vLLM's FlashAttention semantics).
 
     Args:
@@ -290,6 +292,12 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens
             dequantized as float(fp8) * k_scale / v_scale (per-tensor; floats or 1-element
             tensors; None = 1.0; a non-fp8 cache accepts only None or 1.0). May be strided views.
             GQA: query head h uses kv head h // (H // H_kv).
+            int8 caches (DESIGN.md; `quant/int8.py`): an int8 k_cache needs k_scale_cache
+            [num_blocks, H_kv, block_size] fp32 (key = int8 * k_scale_cache[block, head, offset])
+            and makes q quantized per (token, head) by `quantize_per_token_head_ref` and
+            dequantized, as the kernels see it; an int8 v_cache (int8_qkv, only with an int8 K)
+            takes v_scale [H_kv, D] fp32 per channel (value = int8 * v_scale[head, channel]);
+            a bf16/fp16 v_cache beside an int8 K is int8_qk.
         block_table: [R, M] int32; token p of request r is at block block_table[r, p // block_size],
             offset p % block_size. Only positions p < seq_lens[r] are read.
         cu_seqlens_q: [R + 1] int; request r owns q rows cu_seqlens_q[r]:cu_seqlens_q[r+1].
@@ -315,7 +323,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens
     T, H, D = q.shape
     if layout not in ("NHD", "HND"):
         fail("layout", "'NHD' or 'HND'", repr(layout))
-    cache_dtypes = _FLOATS + (torch.float8_e4m3fn,)
+    cache_dtypes = _FLOATS + (torch.float8_e4m3fn, torch.int8)
     check_tensor("k_cache", k_cache, dtype=cache_dtypes, ndim=4, device=q.device)
     nb, H_kv = k_cache.shape[0], k_cache.shape[2 if layout == "NHD" else 1]
     bs = k_cache.shape[1 if layout == "NHD" else 2]
@@ -324,6 +332,20 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens
     check_tensor("v_cache", v_cache, dtype=cache_dtypes, shape=want, device=q.device)
     if H_kv == 0 or H % H_kv:
         fail("H_kv (k_cache heads)", f"a divisor of H = {H}", H_kv)
+    k_int8, v_int8 = k_cache.dtype == torch.int8, v_cache.dtype == torch.int8
+    if v_int8 and not k_int8:
+        fail("v_cache", "an int8 V only beside an int8 K (int8_qkv)", v_cache.dtype)
+    if k_int8:
+        check_tensor("k_scale_cache", k_scale_cache, dtype=torch.float32, shape=(nb, H_kv, bs),
+                     device=q.device)
+        if k_scale is not None:
+            fail("k_scale", "None for an int8 k_cache (its scales are k_scale_cache)", k_scale)
+        q_i8, q_s = quantize_per_token_head_ref(q)
+        q = dequantize_per_token_head(q_i8, q_s)
+    elif k_scale_cache is not None:
+        fail("k_scale_cache", "None unless k_cache is int8", "a tensor")
+    if v_int8:
+        check_tensor("v_scale", v_scale, dtype=torch.float32, shape=(H_kv, D), device=q.device)
     check_tensor("block_table", block_table, dtype=_INTS, ndim=2, device=q.device)
     R = block_table.shape[0]
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=_INTS, shape=(R + 1,))
@@ -343,8 +365,16 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens
         blocks = block_table[r, pos // bs].long()
         if L and (int(blocks.min()) < 0 or int(blocks.max()) >= nb):
             fail(f"block_table[{r}] (used entries)", f"in [0, {nb})", blocks.tolist())
-        k = _gather_paged(k_cache, blocks, pos % bs, layout, k_scale, "k_scale")
-        v = _gather_paged(v_cache, blocks, pos % bs, layout, v_scale, "v_scale")
+        if k_int8:
+            k = _gather_paged(k_cache, blocks, pos % bs, layout, None, "k_scale")
+            k = k * k_scale_cache[blocks, :, pos % bs].double()[:, :, None]
+        else:
+            k = _gather_paged(k_cache, blocks, pos % bs, layout, k_scale, "k_scale")
+        if v_int8:
+            v = _gather_paged(v_cache, blocks, pos % bs, layout, None, "v_scale")
+            v = v * v_scale.double()[None]
+        else:
+            v = _gather_paged(v_cache, blocks, pos % bs, layout, v_scale, "v_scale")
         q_len = cq[r + 1] - cq[r]
         o, l = _mha_core(q[cq[r]:cq[r + 1]].double(), k, v, L - q_len,
                          scale=_as_float("scale", scale), causal=causal, window=tuple(window),

@@ -3,6 +3,7 @@
     impl = PagedAttentionImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=4096,
                               kv_cache_dtype="fp8")
     impl.set_kv_scales(k_scale, v_scale)                                   # fp8 cache, at load
+    impl.load_v_scale("v_scales.safetensors", "layers.3.attn")             # int8_qkv, at load
     plan = impl.build_plan(query_start_loc, seq_lens, block_table, slot_mapping,
                            max_query_len=..., block_size=16, query_lens_cpu=...)  # once per step
     out = impl.forward(query, key, value, kv_cache, plan)                  # per layer
@@ -11,6 +12,11 @@ Semantics are vLLM's FlashAttention backend (DESIGN.md, General MHA path): forwa
 keys and values into the cache (`quant.write_kv_cache`), then attends with
 `kernels.paged_attention` (causal, bottom-right aligned). Encoder attention ("encoder",
 "encoder_only") is non-causal over the step's own keys and values, with no cache.
+
+int8 caches (kv_cache_dtype "int8_qkv" / "int8_qk", DESIGN.md): the cache is the triple
+(k_cache int8, v_cache int8 or the model's dtype, k_scale_cache [num_blocks, H_kv, block_size]
+fp32); the writer quantizes K per (token, head) into it, and int8_qkv's static per-channel V scale
+[H_kv, D] is set once (`set_v_scale`, `load_v_scale` from safetensors, or `calibrate_v_scale`).
 
 The per-step plan (decode/prefill split, cascade, local attention) is `mla.attention_plan`; its
 names are re-exported here. forward never reads the device.
@@ -27,6 +33,7 @@ from kernels.paged_attention import paged_attention, varlen_attention
 from mla.attention_plan import (AttentionPlan, AttentionSubPlan, CascadePlan, _int_arg,
                                 build_attention_plan)
 from quant._validate import check_tensor, fail
+from quant.int8 import calibrate_v_scale, load_v_scales
 from quant.kv_cache import write_kv_cache
 
 __all__ = ["AttentionPlan", "AttentionSubPlan", "CascadePlan", "PagedAttentionImpl",
@@ -34,8 +41,8 @@ __all__ = ["AttentionPlan", "AttentionSubPlan", "CascadePlan", "PagedAttentionIm
 
 # kv_cache_dtype (vLLM's names) -> cache element dtype; None: the model's dtype.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                   "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-_LATER = ("int8_qkv", "int8_qk")  # DESIGN.md int8 caches: a later issue
+                   "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "int8_qkv": torch.int8, "int8_qk": torch.int8}
 ATTN_TYPES = ("decoder", "encoder", "encoder_only")
 MAX_HEAD_SIZE = 256
 
@@ -65,8 +72,9 @@ class PagedAttentionImpl:
             construction is seen), or None.
         kv_cache_dtype: "auto" (the model's dtype), "bfloat16", "float16", or "fp8"/"fp8_e4m3"
             (float8_e4m3fn with per-tensor scales `k_scale`, `v_scale`, default 1.0; set them
-            with `set_kv_scales`). int8 caches ("int8_qkv", "int8_qk") and others raise
-            NotImplementedError.
+            with `set_kv_scales`), or "int8_qkv" / "int8_qk" (int8 K with per-token-head scales,
+            V int8 with a static per-channel scale / V in the model's dtype; head_size a
+            multiple of 8). Others raise NotImplementedError.
         attn_type: "decoder" (causal, paged cache), "encoder" or "encoder_only" (non-causal over
             the step's own keys and values, no cache; fp8 kv_cache_dtype is not supported there,
             as in vLLM). "encoder_decoder" (cross-attention) raises NotImplementedError.
@@ -87,9 +95,6 @@ class PagedAttentionImpl:
         if (isinstance(scale, bool) or not isinstance(scale, (int, float))
                 or not math.isfinite(scale)):
             fail("scale", "a finite float", repr(scale))
-        if kv_cache_dtype in _LATER:
-            raise NotImplementedError(f"PagedAttentionImpl: kv_cache_dtype {kv_cache_dtype!r} "
-                                      "(int8 caches come with a later issue)")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise NotImplementedError(f"PagedAttentionImpl: kv_cache_dtype {kv_cache_dtype!r}; "
                                       f"supported are {sorted(KV_CACHE_DTYPES)}")
@@ -100,7 +105,11 @@ class PagedAttentionImpl:
             fail("attn_type", f"one of {ATTN_TYPES}", repr(attn_type))
         self.cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
         self.is_fp8 = self.cache_dtype == torch.float8_e4m3fn
-        if attn_type != "decoder" and self.is_fp8:
+        self.is_int8 = self.cache_dtype == torch.int8
+        if self.is_int8 and head_size % 8:
+            raise NotImplementedError(f"PagedAttentionImpl: kv_cache_dtype {kv_cache_dtype!r} "
+                                      f"with head_size {head_size} (int8: multiples of 8)")
+        if attn_type != "decoder" and (self.is_fp8 or self.is_int8):
             raise NotImplementedError(f"PagedAttentionImpl: kv_cache_dtype {kv_cache_dtype!r} "
                                       f"with attn_type {attn_type!r} (as vLLM: no quantization "
                                       "for encoder attention)")
@@ -132,6 +141,7 @@ class PagedAttentionImpl:
         self.attn_type = attn_type
         self.k_scale = torch.ones(1, dtype=torch.float32)
         self.v_scale = torch.ones(1, dtype=torch.float32)
+        self.int8_v_scale: Optional[torch.Tensor] = None  # int8_qkv: [H_kv, D] fp32
 
     # ------------------------------------------------------------------ load time
     def set_kv_scales(self, k_scale, v_scale) -> None:
@@ -139,6 +149,30 @@ class PagedAttentionImpl:
         e4m3fn(rne(x / scale)). Only meaningful for an fp8 kv_cache_dtype."""
         self.k_scale = _scale_tensor("k_scale", k_scale)
         self.v_scale = _scale_tensor("v_scale", v_scale)
+
+    def set_v_scale(self, v_scale: torch.Tensor) -> None:
+        """int8_qkv: the static per-channel V scale [H_kv, D] fp32 (v_int8 = rne(v / scale))."""
+        if self.kv_cache_dtype != "int8_qkv":
+            fail("kv_cache_dtype", "'int8_qkv' for a per-channel V scale", self.kv_cache_dtype)
+        check_tensor("v_scale", v_scale, dtype=torch.float32,
+                     shape=(self.num_kv_heads, self.head_size))
+        if not bool(torch.isfinite(v_scale).all() and (v_scale > 0).all()):  # load time: a sync is fine
+            fail("v_scale", "positive finite values", "a zero, negative or non-finite entry")
+        self.int8_v_scale = v_scale.detach().contiguous()
+
+    def load_v_scale(self, path, layer_name: str) -> None:
+        """int8_qkv: this layer's V scale from a `quant.int8.save_v_scales` file (shape checked)."""
+        want = (self.num_kv_heads, self.head_size)
+        scales = load_v_scales(path, expect_shapes={layer_name: want})
+        if layer_name not in scales:
+            fail(f"{path} [{layer_name!r}]", f"a {list(want)} V scale", "no such entry")
+        self.set_v_scale(scales[layer_name])
+
+    def calibrate_v_scale(self, samples, *, percentile: Optional[float] = None) -> torch.Tensor:
+        """int8_qkv: set (and return) the V scale calibrated from observed values [T_i, H_kv, D]
+        (`quant.int8.calibrate_v_scale`: abs-max, or a percentile)."""
+        self.set_v_scale(calibrate_v_scale(samples, percentile=percentile))
+        return self.int8_v_scale
 
     # ------------------------------------------------------------------ per step
     def build_plan(self, query_start_loc, seq_lens, block_table, slot_mapping, *,
@@ -165,6 +199,8 @@ class PagedAttentionImpl:
                 [2, num_blocks, block_size, H_kv, D] tensor (vLLM's); the model's dtype, or
                 float8_e4m3fn (uint8 storage is viewed as such) for fp8. Any strides with the
                 last dim contiguous (an HND memory layout is a permuted view: pass it as is).
+                int8: (k_cache int8, v_cache int8 (int8_qkv) or the model's dtype (int8_qk),
+                k_scale_cache [num_blocks, H_kv, block_size] fp32).
                 Ignored (may be None) for encoder attention.
             plan: this step's plan, checked against the shapes here.
             output: optional [T, H, D] in query's dtype (last dim contiguous) to write into.
@@ -189,18 +225,21 @@ class PagedAttentionImpl:
         if self.attn_type != "decoder":
             return self._forward_encoder(query, key, value, plan, output)
 
-        k_cache, v_cache = self._split_cache(kv_cache, query.dtype)
+        k_cache, v_cache, k_scale_cache = self._split_cache(kv_cache, query.dtype)
         plan.check_matches(query, k_cache)
         k_scale = v_scale = None
         if self.is_fp8:
             k_scale, v_scale = self._scales(query.device)
+        elif self.kv_cache_dtype == "int8_qkv":
+            v_scale = self._int8_v_scale(query.device)
         if key is not None:
             n = plan.slot_mapping.shape[0]
             if key.shape[0] < n:
                 fail("key.shape[0]", f">= {n} (the plan's slot_mapping)", key.shape[0])
             # check_slots=False: no host read; out-of-range slots are skipped in the kernel.
             write_kv_cache(key[:n], value[:n], k_cache, v_cache, plan.slot_mapping,
-                           k_scale=k_scale, v_scale=v_scale, check_slots=False)
+                           k_scale=k_scale, v_scale=v_scale, check_slots=False,
+                           k_scale_cache=k_scale_cache)
         if T == 0:
             return output
         sinks = self._sinks(query.device)
@@ -212,7 +251,7 @@ class PagedAttentionImpl:
             cascade_attention(query, k_cache, v_cache, c.block_table, c.cu_seqlens_q, c.seq_lens,
                               common_prefix_len=c.common_prefix_len, scale=self.scale,
                               softcap=self.softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                              out=output, max_query_len=c.max_query_len,
+                              k_scale_cache=k_scale_cache, out=output, max_query_len=c.max_query_len,
                               prefix_cu_seqlens_q=c.prefix_cu_seqlens_q,
                               prefix_seq_lens=c.prefix_seq_lens, suffix_seq_lens=c.suffix_seq_lens)
             return output
@@ -225,7 +264,7 @@ class PagedAttentionImpl:
                             sub.seq_lens, scale=self.scale, causal=True,
                             window=self.sliding_window, softcap=self.softcap, alibi_slopes=alibi,
                             sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=output[t0:t1],
-                            max_query_len=sub.max_query_len)
+                            max_query_len=sub.max_query_len, k_scale_cache=k_scale_cache)
         return output
 
     # ------------------------------------------------------------------ helpers
@@ -245,6 +284,18 @@ class PagedAttentionImpl:
         return output
 
     def _split_cache(self, kv_cache, q_dtype):
+        """(k_cache, v_cache, k_scale_cache or None) of the layer's cache argument."""
+        if self.is_int8:
+            if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 3):
+                fail("kv_cache", f"(k_cache, v_cache, k_scale_cache) for {self.kv_cache_dtype}",
+                     type(kv_cache).__name__ + (f" of {len(kv_cache)}"
+                                                if isinstance(kv_cache, (tuple, list)) else ""))
+            k_cache, v_cache, k_scale_cache = kv_cache
+            v_dtype = torch.int8 if self.kv_cache_dtype == "int8_qkv" else q_dtype
+            shape = (None, None, self.num_kv_heads, self.head_size)
+            check_tensor("k_cache", k_cache, dtype=torch.int8, shape=shape, last_dim_contiguous=True)
+            check_tensor("v_cache", v_cache, dtype=v_dtype, shape=shape, last_dim_contiguous=True)
+            return k_cache, v_cache, k_scale_cache  # the kernels check k_scale_cache
         if isinstance(kv_cache, torch.Tensor):
             check_tensor("kv_cache", kv_cache, ndim=5)
             if kv_cache.shape[0] != 2:
@@ -263,7 +314,7 @@ class PagedAttentionImpl:
             check_tensor(name, c, dtype=want, shape=(None, None, self.num_kv_heads,
                                                      self.head_size), last_dim_contiguous=True)
             caches.append(c)
-        return caches
+        return caches[0], caches[1], None
 
     def _scales(self, device):
         if self.k_scale.device != device:  # moved once, then reused
@@ -271,6 +322,14 @@ class PagedAttentionImpl:
         if self.v_scale.device != device:
             self.v_scale = self.v_scale.to(device)
         return self.k_scale, self.v_scale
+
+    def _int8_v_scale(self, device):
+        if self.int8_v_scale is None:
+            fail("v_scale (int8_qkv)", "set before forward: set_v_scale, load_v_scale or "
+                 "calibrate_v_scale", None)
+        if self.int8_v_scale.device != device:  # moved once, then reused
+            self.int8_v_scale = self.int8_v_scale.to(device)
+        return self.int8_v_scale
 
     def _alibi(self, device):
         if self.alibi_slopes is not None and self.alibi_slopes.device != device:

@@ -218,7 +218,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
                  contiguous=True)
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
     if k_int8:
-        _check_int8_scales(k_scale, v_scale, k_scale_cache, v_cache.dtype, nb, bs, H, D)
+        check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_cache.dtype, nb, bs, H, D)
     else:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             if is_fp8:
@@ -242,10 +242,12 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
                        k_scale_cache)
 
 
-def _check_int8_scales(k_scale, v_scale, k_scale_cache, v_dtype, nb, bs, H, D) -> None:
-    """Scale arguments of the int8 modes (an int8 k_cache), see write_kv_cache."""
+def check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_dtype, nb, bs, H, D) -> None:
+    """Scale arguments of the int8 modes (an int8 k_cache) for the writer and the attention
+    kernels: k_scale None, k_scale_cache [nb, H, bs] fp32, v_scale [H, D] fp32 for an int8
+    v_cache (int8_qkv) and None for a model-dtype one (int8_qk)."""
     if k_scale is not None:
-        fail("k_scale", "None for an int8 k_cache (K scales are dynamic, written to k_scale_cache)",
+        fail("k_scale", "None for an int8 k_cache (its per-token scales are k_scale_cache)",
              "a tensor")
     if k_scale_cache is None:
         fail("k_scale_cache", f"a [{nb}, {H}, {bs}] fp32 tensor for an int8 k_cache", None)

@@ -454,8 +454,7 @@ def test_plan_reuse_mismatch_raises():
 # Unsupported configurations
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,exc,match", [
-    pytest.param(dict(kv_cache_dtype="int8_qkv"), NotImplementedError, "later issue", id="int8_qkv"),
-    pytest.param(dict(kv_cache_dtype="int8_qk"), NotImplementedError, "later issue", id="int8_qk"),
+    pytest.param(dict(kv_cache_dtype="int8"), NotImplementedError, "int8_qkv", id="int8-unnamed-mode"),
     pytest.param(dict(kv_cache_dtype="fp8_e5m2"), NotImplementedError, "fp8_e5m2", id="fp8_e5m2"),
     pytest.param(dict(kv_cache_dtype="fp8", attn_type="encoder"), NotImplementedError,
                  "encoder", id="fp8-encoder"),
