@@ -142,12 +142,15 @@ def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout
 def _write_kv_cache_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                       layout: str, k_scale_cache: Optional[torch.Tensor] = None) -> None:
+                       layout: str, k_scale_cache: Optional[torch.Tensor]) -> None:
+    # k_scale_cache has no default on purpose: torch 2.11 drops trailing default-valued
+    # arguments before its in-place bookkeeping indexes the mutated ones (IndexError on the
+    # H200's torch when it was `= None`).
     _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache)
 
 
 @_write_kv_cache_op.register_fake
-def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache=None):
+def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache):
     return None
 
 

@@ -84,6 +84,65 @@ register(Op(
 
 
 # --------------------------------------------------------------------------------------------
+# paged_attention over int8 caches (issue 8): the decode shapes of paged_attention, int8_qkv and
+# int8_qk, next to the same bf16 rows above (speed ratio) and the memory roofline of their bytes
+def _int8_build(p, device):
+    # the torch quantizers (byte-equal to the Triton ones; the build is not timed)
+    from quant.int8 import calibrate_v_scale, quantize_per_channel_ref, quantize_per_token_head_ref
+    x = _paged_build(p, device)
+    nb, bs, Hkv, D = x["k"].shape
+    k8, ks = quantize_per_token_head_ref(x["k"].view(nb * bs, Hkv, D))
+    x["k_bf16"], x["v_bf16"] = x["k"], x["v"]
+    x["k"], x["ksc"] = k8.view(nb, bs, Hkv, D), ks.view(nb, bs, Hkv).transpose(1, 2).contiguous()
+    x["v_scale"] = None
+    if p["cache"] == "int8_qkv":
+        x["v_scale"] = calibrate_v_scale(x["v"].view(nb * bs, Hkv, D))
+        x["v"] = quantize_per_channel_ref(x["v"].view(nb * bs, Hkv, D), x["v_scale"]).view(nb, bs, Hkv, D)
+    return x
+
+
+def _int8_run(x):
+    from kernels.paged_attention import paged_attention
+    return paged_attention(x["q"], x["k"], x["v"], x["table"], x["cu"], x["lens"], scale=x["scale"],
+                           causal=True, max_query_len=x["ql"], k_scale_cache=x["ksc"], v_scale=x["v_scale"])
+
+
+def _int8_torch(x):
+    """Dequantize the int8 caches to bf16 in torch, then the SDPA reference of paged_attention."""
+    k = (x["k"].float() * x["ksc"].transpose(1, 2)[..., None]).bfloat16()
+    v = x["v"] if x["v_scale"] is None else (x["v"].float() * x["v_scale"]).bfloat16()
+    return _paged_torch({**x, "k": k, "v": v})
+
+
+def _int8_error(x, out):
+    ql = x["ql"]
+    want = reference.paged_attention_ref(x["q"][:ql], x["k"], x["v"], x["table"][:1], x["cu"][:2], x["lens"][:1],
+                                         scale=x["scale"], causal=True, k_scale_cache=x["ksc"],
+                                         v_scale=x["v_scale"])[0]
+    return rel_l2(out[:ql], want)
+
+
+def _int8_count(p):
+    R, ctx, Hkv, D = p["batch"], p["context"], p["kv_heads"], 128
+    flops = _paged_count(p)[0]
+    v_bytes = D if p["cache"] == "int8_qkv" else 2 * D
+    return flops, float(R * ctx * Hkv * (D + 4 + v_bytes))  # int8 K, its fp32 scale, V
+
+
+register(Op(
+    name="paged_attention_int8",
+    shape_sets={
+        "standard": [dict(batch=b, q_len=1, context=32768, cache=c, **_PAGED)
+                     for c in ("int8_qkv", "int8_qk") for b in (1, 8, 32, 128)],
+        "decode": [dict(batch=b, q_len=1, context=32768, cache="int8_qkv", **_PAGED) for b in (1, 8, 32, 128)],
+        "small": [dict(batch=2, q_len=1, context=256, cache=c, **_PAGED) for c in ("int8_qkv", "int8_qk")],
+    },
+    build=_int8_build, run=_int8_run, torch_ref=_int8_torch, error=_int8_error, count=_int8_count,
+    label=lambda p: f"{p['cache']}-B{p['batch']}-q{p['q_len']}-ctx{p['context']}-H{p['heads']}/{p['kv_heads']}",
+))
+
+
+# --------------------------------------------------------------------------------------------
 # merge_attn_states (cascade attention, split-KV merges)
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
