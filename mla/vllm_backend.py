@@ -1,13 +1,18 @@
-"""vLLM attention backend OPENMLA_SPARSE: DeepSeek-V3.2-style sparse MLA through openmla's kernels.
+"""vLLM adapter: the plugin entry point, what both backends share, and OPENMLA_SPARSE.
 
-    pip install openmla            # registers the backend through the entry point below
-    vllm serve <model> --attention-backend OPENMLA_SPARSE
+    pip install .        # openmla, at its root: registers both backends (entry point below)
+    vllm serve <model> --attention-backend OPENMLA_SPARSE     # DeepSeek-V3.2-class sparse MLA
+    vllm serve <model> --attention-backend OPENMLA_ATTN       # MHA/GQA (mla/vllm_attn_backend.py)
 
 Written against vLLM 0.32 (`vllm.v1.attention.backend`). vLLM is imported lazily: importing this
 module does not import vLLM; the classes are created on first attribute access
 (`mla.vllm_backend.OpenMLASparseBackend`, which is how vLLM resolves the registered class path).
 
-Thin adapter, no kernel logic:
+Shared by both backends: `register` (the `vllm.general_plugins` entry point), `lazy_classes`
+(the PEP 562 module __getattr__ that builds the vLLM subclasses on first use), `plan_inputs`
+(CommonAttentionMetadata -> the arguments both plan builders take) and `check_kv_cache_dtype`.
+
+OPENMLA_SPARSE, a thin adapter with no kernel logic:
     OpenMLASparseBackend          capabilities, declared statically (bf16 and fp8_ds_mla caches,
                                   head size 576, bf16 activations, MLA and sparse, any block size).
     OpenMLASparseMetadataBuilder  vLLM's CommonAttentionMetadata -> openmla's SparseMLAPlan
@@ -24,11 +29,12 @@ plan splits decode and prefill tokens itself (mla/metadata.py), as vLLM's XPU sp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["BACKEND_NAME", "VLLM_KV_CACHE_DTYPES", "register"]
+__all__ = ["BACKEND_NAME", "VLLM_KV_CACHE_DTYPES", "register", "lazy_classes", "plan_inputs",
+           "check_kv_cache_dtype"]
 
 BACKEND_NAME = "OPENMLA_SPARSE"
 # vLLM's cache_dtype names -> openmla's kv_cache_dtype ("fp8" is vLLM's alias of fp8_ds_mla for
@@ -38,36 +44,84 @@ VLLM_KV_CACHE_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "fp8_ds_mla": "fp8_d
 HEAD_SIZE = 576
 _CLASS_NAMES = ("OpenMLASparseBackend", "OpenMLASparseMetadata", "OpenMLASparseMetadataBuilder",
                 "OpenMLASparseImpl")
-_classes: Optional[dict] = None
 
 
 def register() -> None:
-    """Entry point of the `vllm.general_plugins` group: registers OPENMLA_SPARSE with vLLM.
+    """Entry point of the `vllm.general_plugins` group: registers OPENMLA_SPARSE and OPENMLA_ATTN.
 
-    Registers the class path only (vLLM imports it when the backend is selected)."""
-    from vllm.v1.attention.backends.registry import register_backend
-    register_backend(BACKEND_NAME, f"{__name__}.OpenMLASparseBackend")
+    Registers the class paths only (vLLM imports a class when its backend is selected). Safe to
+    call more than once (vLLM may load plugins again): a second call re-points the names."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from mla import vllm_attn_backend
+    for name, path in ((BACKEND_NAME, f"{__name__}.OpenMLASparseBackend"),
+                       (vllm_attn_backend.BACKEND_NAME,
+                        f"{vllm_attn_backend.__name__}.OpenMLAAttentionBackend")):
+        if name in AttentionBackendEnum.__members__:
+            register_backend(AttentionBackendEnum[name], path)
+        else:
+            register_backend(name, path)
+        # vLLM pickles its config (holding the chosen member) into engine processes; a spawned
+        # one unpickles it before loading plugins, where an enum member is looked up by value
+        # and a registered name is not there yet ("... is not a valid AttentionBackendEnum").
+        # Our members unpickle through _backend_member instead, which registers them first.
+        AttentionBackendEnum[name].__reduce_ex__ = lambda protocol, n=name: (_backend_member, (n,))
 
 
-def __getattr__(name: str) -> Any:
-    """PEP 562: the vLLM classes, created (and vLLM imported) on first access."""
-    if name in _CLASS_NAMES:
-        return _build_classes()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _backend_member(name: str):
+    """The AttentionBackendEnum member `name`, registering openmla's backends if needed."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    if name not in AttentionBackendEnum.__members__:
+        register()
+    return AttentionBackendEnum[name]
+
+
+def lazy_classes(module: str, names: tuple, build: Callable[[], tuple]) -> Callable[[str], Any]:
+    """A PEP 562 module `__getattr__` serving `names`: the first access calls `build()` (which
+    imports vLLM and returns the classes) and names each class `module.<name>`, the path vLLM
+    resolves a registered backend by."""
+    classes: dict = {}
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        if not classes:
+            for c in build():
+                c.__module__ = module
+                c.__qualname__ = c.__name__
+                classes[c.__name__] = c
+        return classes[name]
+
+    return __getattr__
+
+
+def plan_inputs(cm) -> tuple:
+    """vLLM's CommonAttentionMetadata -> (args, kwargs) that both openmla plan builders take:
+    (query_start_loc, seq_lens, block_table, slot_mapping[:T]) with T = num_actual_tokens
+    (padding rows included), and the host query lengths and sequence lengths (no device read;
+    seq_lens_cpu_upper_bound is exact for prefill rows, the only rows the plans read it for)."""
+    T = cm.num_actual_tokens
+    qsl_cpu = cm.query_start_loc_cpu
+    args = (cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping[:T])
+    return args, dict(query_lens_cpu=qsl_cpu[1:] - qsl_cpu[:-1],
+                      seq_lens_cpu=cm.seq_lens_cpu_upper_bound)
+
+
+def check_kv_cache_dtype(backend: str, kv_cache_dtype: str, supported) -> str:
+    """NotImplementedError unless vLLM's kv_cache_dtype name is one of `supported`."""
+    if kv_cache_dtype not in supported:
+        raise NotImplementedError(
+            f"{backend}: kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: "
+            f"{sorted(supported)}")
+    return kv_cache_dtype
 
 
 def _openmla_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    if kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
-        raise NotImplementedError(
-            f"{BACKEND_NAME}: kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: "
-            f"{sorted(VLLM_KV_CACHE_DTYPES)}")
-    return VLLM_KV_CACHE_DTYPES[kv_cache_dtype]
+    return VLLM_KV_CACHE_DTYPES[check_kv_cache_dtype(BACKEND_NAME, kv_cache_dtype,
+                                                     VLLM_KV_CACHE_DTYPES)]
 
 
-def _build_classes() -> dict:
-    global _classes
-    if _classes is not None:
-        return _classes
+def _build_classes() -> tuple:
     from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
     from vllm.v1.attention.backend import (
         AttentionBackend, AttentionCGSupport, AttentionMetadata, AttentionMetadataBuilder,
@@ -158,15 +212,11 @@ def _build_classes() -> dict:
                   fast_build: bool = False) -> OpenMLASparseMetadata:
             cm = common_attn_metadata
             T = cm.num_actual_tokens
-            qsl_cpu = cm.query_start_loc_cpu
+            args, host = plan_inputs(cm)
             plan = build_sparse_mla_plan(
-                cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping[:T],
-                block_size=self.kv_cache_spec.block_size, num_heads=self.num_heads,
+                *args, block_size=self.kv_cache_spec.block_size, num_heads=self.num_heads,
                 kv_cache_dtype=self.kv_cache_dtype, max_model_len=self.max_model_len,
-                decode_threshold=self.reorder_batch_threshold or 1,
-                query_lens_cpu=qsl_cpu[1:] - qsl_cpu[:-1],
-                # exact for prefill rows, the only rows the plan reads it for
-                seq_lens_cpu=cm.seq_lens_cpu_upper_bound)
+                decode_threshold=self.reorder_batch_threshold or 1, **host)
             return OpenMLASparseMetadata(
                 plan=plan, num_reqs=cm.num_reqs, num_actual_tokens=T,
                 max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
@@ -235,9 +285,8 @@ def _build_classes() -> dict:
             write_mla_cache(kv_c_normed, k_pe.reshape(k_pe.shape[0], -1), kv_cache,
                             slot_mapping.flatten(), fmt=fmt, check_slots=False)
 
-    _classes = {c.__name__: c for c in (OpenMLASparseBackend, OpenMLASparseMetadata,
-                                        OpenMLASparseMetadataBuilder, OpenMLASparseImpl)}
-    for c in _classes.values():  # the path vLLM resolves: mla.vllm_backend.<name>
-        c.__module__ = __name__
-        c.__qualname__ = c.__name__
-    return _classes
+    return (OpenMLASparseBackend, OpenMLASparseMetadata, OpenMLASparseMetadataBuilder,
+            OpenMLASparseImpl)
+
+
+__getattr__ = lazy_classes(__name__, _CLASS_NAMES, _build_classes)
