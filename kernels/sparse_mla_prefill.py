@@ -15,12 +15,18 @@ scale). Per block of rows:
   also give each thread fewer distinct rows to address (Triton spreads a 512-wide tile over the
   warps of a row; a 256-wide one fits one warp), which measured 15% faster at H = 16.
 - the loads are masked (an invalid index is never read) and software-pipelined (num_stages):
-  the compiler turns them into asynchronous copies into shared memory, a block or two ahead.
+  the compiler turns them into asynchronous copies into shared memory, a block ahead. For 16- and
+  32-head blocks the next block's indices are loaded one iteration early into registers
+  (PREFETCH): with the index load inside the iteration, Triton waits for every copy, the next
+  block's included, at each step; prefetched, the copy of block i+1 overlaps block i's dots.
+- row offsets are 32-bit when the whole workspace is addressable so (OFF32, host-checked):
+  fewer integer instructions per gathered row in a loop that is instruction-bound.
 - heads are the M of the dots: 64-head blocks run Hopper wgmma (M = 64 per warpgroup), 16- and
   32-head blocks mma.sync, so a small head count pays for no padding to 64.
 
-Measured on an H200, 2026-11-22 (tools/bench.py): 4096 tokens, 32768 rows, topk 2048: 2.5 ms at
-H = 16, 3.8 ms at H = 32, 5.0 ms at H = 64, 9.6 ms at H = 128.
+Measured on an H200, 2026-11-22 (tools/bench.py): 4096 tokens, 32768 rows, topk 2048: 2.23 ms at
+H = 16, 3.22 ms at H = 32, 4.94 ms at H = 64, 9.42 ms at H = 128 (FlashMLA: 2.33 / 2.17 / 2.17 /
+4.19). Notes and the variants tried: docs/notes/sparse_mla_prefill.md.
 """
 from __future__ import annotations
 
@@ -56,16 +62,19 @@ def _bucket(x: int, lo: int, hi: int) -> int:
 # Autotune configs
 # ---------------------------------------------------------------------------------------------
 _CONFIGS = [
-    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bn, s in ((32, 3), (32, 5), (64, 3)) for w in (4, 8)
+    triton.Config({"BLOCK_N": bn, "PREFETCH": pf}, num_warps=w, num_stages=s)
+    for pf in (True, False) for bn, s in ((32, 3), (32, 5), (64, 3)) for w in (4, 8)
 ]
 
 
-def _smem_estimate(block_h: int, block_n: int, stages: int) -> int:
-    """Shared memory of a config, at most: q (bf16, resident) plus the row buffers. For these
-    indirect loads Triton 3.6 allocated max(stages - 2, 2) buffers (the index load and the
-    consumer take a stage each; seen in sm_90 compiles, 2026-11-22)."""
-    return block_h * D_QK * 2 + max(stages - 2, 2) * block_n * D_QK * 2
+def _smem_estimate(block_h: int, block_n: int, stages: int, prefetch: bool) -> int:
+    """Shared memory of a config, at most: q (bf16, resident) plus the row buffers. Buffers Triton
+    3.6 allocated in sm_90 compiles (2026-11-22): with the index load in the loop max(stages - 2, 2)
+    (the index load and the consumer take a stage each); with prefetched indices stages - 1 under
+    mma.sync and stages under wgmma (the value wgmma of block i-1 still reads its buffer while
+    block i+1 is copied)."""
+    buffers = (stages if block_h >= 64 else stages - 1) if prefetch else max(stages - 2, 2)
+    return block_h * D_QK * 2 + buffers * block_n * D_QK * 2
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -73,25 +82,33 @@ def _prune_configs(configs, named_args, **kwargs):
     block_h = kwargs["BLOCK_H"]
     kept = []
     for c in configs:
-        bn, w, s = c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+        bn, w, s, pf = c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs["PREFETCH"]
         if block_h >= 64:
             # The [64, 512] fp32 accumulator is 128 registers a thread at 8 warps; at 4 warps it
             # would be 256, more than a thread has.
             if w != 8:
                 continue
+            # Prefetching needs `stages` 72 KB buffers of 64 rows here: 64 x 3 does not fit, and
+            # 64 x 2 (4.91 ms at H = 64, 9.64 at 128) or 32 x 3/4 (6.0, 11.8) measured no better
+            # than the index load in the loop with 64 x 3 (4.95, 9.51) on the H200 (2026-11-22).
+            if pf:
+                continue
+            # With the index load in the loop, 32-row blocks at 3 stages get a single in-flight
+            # buffer (the copy of the next rows is waited for right after it is issued).
+            if bn == 32 and s < 5:
+                continue
         else:
-            # mma.sync tiles of 16/32 heads: 8 warps only split the 512 columns finer and ran 2x
-            # slower than 4 on the H200 (2026-11-22).
+            # mma.sync tiles of 16/32 heads: 8 warps only split the 512 columns finer and ran
+            # 1.2-1.8x slower than 4 on the H200 (2026-11-22).
             if w != 4:
                 continue
-            # 64-row blocks leave one program per SM (shared memory); 32-row blocks fit two.
-            if bn != 32:
+            # Prefetched 32-row blocks at 3 stages (one block in flight, 93 / 113 KB: two
+            # programs per SM) measured fastest: 2.23 ms at H = 16, 3.21 at 32. More stages leave
+            # one program per SM (3.37 at H = 16, 4 stages), 16-row blocks cost more instructions
+            # per row (3.56), and the index load in the loop waits for every copy (2.51, 3.77).
+            if not pf or bn != 32 or s != 3:
                 continue
-        # 32-row blocks with 3 stages get a single in-flight buffer: the copy of the next rows
-        # is waited for right after it is issued. 5 stages give the copy a whole block of slack.
-        if bn == 32 and s < 5:
-            continue
-        if _smem_estimate(block_h, bn, s) > _SMEM_BYTES - 8 * 1024:
+        if _smem_estimate(block_h, bn, s, pf) > _SMEM_BYTES - 8 * 1024:
             continue
         kept.append(c)
     return kept
@@ -109,9 +126,9 @@ def sparse_mla_prefill_kernel(
     stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
     scale, scale_log2,
     H_BUCKET, TOPK_BUCKET,
-    HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, OFF32: tl.constexpr,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     HALF: tl.constexpr = D_LAT // 2
     # The head blocks of one token are neighbouring programs: they gather the same rows.
@@ -140,13 +157,28 @@ def sparse_mla_prefill_kernel(
     acc_a = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc_b = tl.zeros([BLOCK_H, HALF], tl.float32)
     p_idx = idx_ptr + i_t * stride_it
+    o_nn = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        b_idx_nx = tl.load(p_idx + o_nn, mask=o_nn < n_use, other=-1)
     for i_n in range(0, n_use, BLOCK_N):
-        o_n = i_n + tl.arange(0, BLOCK_N)
-        b_idx = tl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
+        if PREFETCH:
+            # This block's indices came from the previous iteration (a loop-carried register
+            # tensor), so the row copies below depend on no load of this iteration and the
+            # pipeliner can issue them a block ahead.
+            b_idx = b_idx_nx
+            o_nx = i_n + BLOCK_N + o_nn
+            b_idx_nx = tl.load(p_idx + o_nx, mask=o_nx < n_use, other=-1)
+        else:
+            o_n = i_n + o_nn
+            b_idx = tl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
         m_n = (b_idx >= 0) & (b_idx < N)
-        # Invalid rows are never read: the mask keeps them off the memory system. 64-bit row
-        # offsets: N * stride can pass 2**31 elements.
-        p_kv = kv_ptr + b_idx.to(tl.int64) * stride_kv
+        # Invalid rows are never read: the mask keeps them off the memory system (their offset
+        # may wrap in 32 bits; it is never dereferenced). 64-bit row offsets when N * stride
+        # can pass 2**31 elements.
+        if OFF32:
+            p_kv = kv_ptr + b_idx * stride_kv
+        else:
+            p_kv = kv_ptr + b_idx.to(tl.int64) * stride_kv
         b_ka = tl.load(p_kv[:, None] + o_a[None, :], mask=m_n[:, None], other=0.0)
         b_kb = tl.load(p_kv[:, None] + o_b[None, :], mask=m_n[:, None], other=0.0)
         b_kr = tl.load(p_kv[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0)
@@ -206,6 +238,7 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink):
         scale, scale * _LOG2E,
         _bucket(H, 16, 128), _bucket(topk, 32, 2048),
         HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
+        OFF32=(N - 1) * kv.stride(0) + D_QK < 2 ** 31,
         D_LAT=D_LAT, D_ROPE=D_ROPE, BLOCK_H=block_h,
     )
     return out, max_logits, lse
