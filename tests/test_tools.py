@@ -59,10 +59,9 @@ def test_sweep_default_grid_is_complete(default_sweep):
             for f in ready for k in sweep.DATA_KINDS for s in sweep.GRIDS["default"][f.family]}
     assert {(r["family"], r["format"], r["data"], r["shape"]) for r in result["rows"]} == want
     assert len(result["rows"]) == len(want)
-    # int8 is listed as pending (issue 8), never measured
-    assert [(p["family"], p["format"]) for p in result["pending"]] == [("mha", "int8_qkv"), ("mha", "int8_qk")]
-    assert all("issue 8" in p["why"] for p in result["pending"])
-    assert not any(r["format"].startswith("int8") for r in result["rows"])
+    # every format is measured (int8 since issue 8), none pending
+    assert result["pending"] == []
+    assert {r["format"] for r in result["rows"] if r["family"] == "mha"} == {"bf16", "fp8", "int8_qkv", "int8_qk"}
 
 
 def test_sweep_prints_the_numbers_it_computed(default_sweep):
@@ -81,18 +80,15 @@ def test_sweep_prints_the_numbers_it_computed(default_sweep):
             assert _same(cells[9 + i], r["vs_fp32"][key]), (r["format"], r["shape"], key)
         assert _same(cells[13], r["format_err"]["rel_l2"])
         assert cells[14] == (f"{r['kernel_err']['rel_l2']:.2e}" if expect_kernel else "n/a (CPU)")
-    for fmt in ("int8_qkv", "int8_qk"):
-        assert (fmt, "pending", "–") in lines
-        assert f"pending `{fmt}`" in printed
-    # the CSV holds the same numbers, one line per row and per pending format
+    assert "pending" not in printed
+    # the CSV holds the same numbers, one line per row
     with open(csv_path) as f:
         table = list(csv.DictReader(f))
-    assert len(table) == len(result["rows"]) + 2
+    assert len(table) == len(result["rows"])
     for r, c in zip(result["rows"], table):
         assert (c["status"], c["format"], c["shape"]) == ("ok", r["format"], r["shape"])
         assert float(c["vs_bf16_rel_l2"]) == r["vs_bf16"]["rel_l2"]
         assert float(c["format_err_lse_abs"]) == r["format_err"]["lse_abs"]
-    assert [c["status"].split(":")[0] for c in table[-2:]] == ["pending", "pending"]
 
 
 def test_sweep_numbers_are_the_oracles(default_sweep):
@@ -122,6 +118,16 @@ def test_sweep_values_are_plausible(default_sweep):
             assert r["format_err"]["rel_l2"] == 0.0 and r["format_err"]["lse_abs"] == 0.0
             # against fp32 it costs the bf16 rounding of q and the cache (2^-9 relative per element)
             assert 1e-3 < r["vs_fp32"]["rel_l2"] < 3e-2
+        elif r["format"].startswith("int8"):
+            err = r["format_err"]["rel_l2"]
+            if r["data"] == "gaussian":  # 8-bit Q and K: ~1e-2 (measured 0.9-1.3e-2)
+                assert 5e-3 < err < 2e-2, r
+            elif r["data"] == "outliers":
+                # A key's per-token scale is set by its outlier channel (x50-200): the other
+                # channels keep ~1 bit; measured 0.27-0.51 (issue 8 note). A change here is news.
+                assert 0.1 < err < 0.8, r
+            else:
+                assert 1e-2 < err < 0.15, r
         else:
             # e4m3 keeps 3 mantissa bits: a few % RMS; the softmax passes it on
             assert 5e-3 < r["format_err"]["rel_l2"] < 0.3, r

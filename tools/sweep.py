@@ -2,7 +2,7 @@
 """Accuracy sweep: what each KV cache format costs in ATTENTION OUTPUTS, against bf16 and fp32.
 
 For every cache format (sparse MLA: bf16, fp8_ds_mla with pow2 and raw scales; MHA: bf16, fp8
-per-tensor; int8_qkv / int8_qk listed as pending until issue 8 lands), a grid of shapes and data
+per-tensor; int8_qkv / int8_qk), a grid of shapes and data
 kinds (gaussian; outlier channels; heavy-tailed Student-t(3)), it reports the error of the
 attention output and lse against
 
@@ -203,9 +203,35 @@ def _mha_kernel(x, st):
                            return_lse=True, max_query_len=1)
 
 
-_INT8_PENDING = ("issue 8: quant/int8.py and the int8 modes of paged_attention have not landed; "
-                 "plugs in here as quantize (per-token-head K scales, calibrated per-channel V "
-                 "scale), dequantize (q too) and kernel")
+def _int8_quantize(x, *, v_int8: bool):
+    """int8 K per (token, head); int8_qkv: V per channel with the abs-max calibrated on this V."""
+    from quant.int8 import calibrate_v_scale, quantize_per_channel_ref, quantize_per_token_head_ref
+    k8, ks = quantize_per_token_head_ref(x["k"])
+    st = {"k": k8, "k_scales": ks, "v": x["v"], "v_scale": None}
+    if v_int8:
+        st["v_scale"] = calibrate_v_scale(x["v"])
+        st["v"] = quantize_per_channel_ref(x["v"], st["v_scale"])
+    return st
+
+
+def _int8_dequantize(x, st):
+    """What the kernel computes with: q quantized per (token, head) at attention time, too."""
+    from quant.int8 import dequantize_per_token_head, quantize_per_token_head_ref
+    q = dequantize_per_token_head(*quantize_per_token_head_ref(x["q"]))
+    v = st["v"].float() if st["v_scale"] is None else st["v"].float() * st["v_scale"]
+    return {"q": q, "k": dequantize_per_token_head(st["k"], st["k_scales"]), "v": v}
+
+
+def _int8_kernel(x, st):
+    from kernels.paged_attention import paged_attention
+    nb, bs = x["num_blocks"], x["block_size"]
+    kc = _paged(st["k"], x["table"], bs, nb)
+    vc = _paged(st["v"], x["table"], bs, nb)
+    ksc = _paged(st["k_scales"][..., None], x["table"], bs, nb)[..., 0].transpose(1, 2).contiguous()
+    return paged_attention(x["q"], kc, vc, x["table"], x["cu_q"], x["seq_lens"], scale=x["scale"],
+                           causal=True, k_scale_cache=ksc, v_scale=st["v_scale"], return_lse=True,
+                           max_query_len=1)
+
 
 FORMATS: list[Format] = [
     _mla_format("bf16", "bf16 latent cache, 1152 B/token"),
@@ -214,8 +240,10 @@ FORMATS: list[Format] = [
     Format("bf16", "mha", "bf16 K/V cache", _mha_bf16_quantize, _mha_dequantize, _mha_kernel),
     Format("fp8", "mha", "e4m3fn K/V, per-tensor k_scale/v_scale = amax/448", _mha_fp8_quantize,
            _mha_dequantize, _mha_kernel),
-    Format("int8_qkv", "mha", "int8 Q, K, V", pending=_INT8_PENDING),
-    Format("int8_qk", "mha", "int8 Q, K; V in bf16", pending=_INT8_PENDING),
+    Format("int8_qkv", "mha", "int8 Q, K (per token and head), V (per channel, abs-max calibrated)",
+           lambda x: _int8_quantize(x, v_int8=True), _int8_dequantize, _int8_kernel),
+    Format("int8_qk", "mha", "int8 Q, K (per token and head); V in bf16",
+           lambda x: _int8_quantize(x, v_int8=False), _int8_dequantize, _int8_kernel),
 ]
 
 
