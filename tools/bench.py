@@ -149,6 +149,10 @@ def run_case(op: Op, params: dict, device, skip_ref: bool = False) -> Case:
 
 
 def git_revision() -> str:
+    """OPENMLA_REV when set (a copied tree may carry a stale .git: the GPU machine's did), else
+    the checkout's HEAD."""
+    if os.environ.get("OPENMLA_REV"):
+        return os.environ["OPENMLA_REV"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
