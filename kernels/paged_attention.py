@@ -277,18 +277,18 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
 @triton.jit
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, lens_ptr,
-    alibi_ptr, sink_ptr, k_scale_ptr, v_scale_ptr, ksc_ptr, out_ptr, lse_ptr,
+    alibi_ptr, sink_ptr, k_scale_ptr, v_scale_ptr, ksc_ptr, ksm_ptr, out_ptr, lse_ptr,
     T, R, NUM_BLOCKS, MAX_KV,
     qk_scale2, softcap2, win_left, win_right,
     s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
-    s_os, s_ot, s_oh, s_ls, s_lt, s_lh, s_kscb, s_ksch, s_ksct, s_vsh, s_vsd,
+    s_os, s_ot, s_oh, s_ls, s_lt, s_lh, s_kscb, s_ksch, s_ksct, s_vsh, s_vsd, s_ksmh, s_ksmd,
     BLOCK_M_WANT: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, IS_FP8: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, ALIBI_SQRT: tl.constexpr, HAS_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, NEG_Q: tl.constexpr,
     KV_SAME: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, V_FAST_CVT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i_qb = tl.program_id(0)
     if BLOCK_M_WANT == 0:
@@ -370,7 +370,10 @@ def paged_attention_kernel(
         # Q quantized per (token, head) here, by quant/int8.py's rule (bit-equal to
         # quantize_per_token_head_ref of q; padding rows are all 0 and stay 0). The softmax scale
         # joins each row's scale once, so a score costs two multiplies on the int32 dot.
-        b_q, b_qs = int8_quantize_rows(b_q.to(tl.float32), _INT8_FLOOR)
+        b_qf = b_q.to(tl.float32)
+        if K_SMOOTH:  # the cache holds K / f per channel: q * f keeps q.k (masked lanes: 0 * 1)
+            b_qf = b_qf * tl.load(ksm_ptr + i_kvh * s_ksmh + o_d * s_ksmd, mask=m_d, other=1.0)[None, :]
+        b_q, b_qs = int8_quantize_rows(b_qf, _INT8_FLOOR)
         b_qs = b_qs * qk_scale
     else:
         b_qs = qk_scale  # unused
@@ -539,7 +542,7 @@ def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms:
 
 def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, window, softcap,
             alibi_slopes, alibi_sqrt, sinks, k_scale, v_scale, layout, max_q, max_kv,
-            num_splits, k_scale_cache=None):
+            num_splits, k_scale_cache=None, k_smooth=None):
     """Run on validated inputs. block_table None: encoder mode, k/v are [Tk, H_kv, D] and lens
     is cu_seqlens_k. Writes out (and lse when given). An int8 k (int8_qk / int8_qkv) comes with
     its k_scale_cache; v_scale is then None (int8_qk) or the per-channel [H_kv, D] scale."""
@@ -566,6 +569,8 @@ def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, w
     ksc = k_scale_cache if k_int8 else dummy
     s_ksc = tuple(k_scale_cache.stride()) if k_int8 else (0, 0, 0)
     s_vs = tuple(v_scale.stride()) if v_int8 else (0, 0)
+    ksm = k_smooth if k_smooth is not None else dummy
+    s_ksm = tuple(k_smooth.stride()) if k_smooth is not None else (0, 0)
     if splits > 1:
         part_out = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
@@ -582,12 +587,12 @@ def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, w
         q, k, v, block_table, cu_seqlens_q, lens,
         alibi_slopes if alibi_slopes is not None else dummy,
         sinks if sinks is not None else dummy,
-        k_scale if is_fp8 else dummy, v_scale if (is_fp8 or v_int8) else dummy, ksc,
+        k_scale if is_fp8 else dummy, v_scale if (is_fp8 or v_int8) else dummy, ksc, ksm,
         o_args[0], o_args[1],
         T, R, num_blocks, kv_cap,
         abs(scale) * LOG2E, softcap * LOG2E, left, right,
         q.stride(0), q.stride(1), s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
-        *o_args[2:], *s_ksc, *s_vs,
+        *o_args[2:], *s_ksc, *s_vs, *s_ksm,
         # int8 dots take K in steps of 32 (mma k32).
         BLOCK_M_WANT=block_m_want, GQA=gqa, HEAD_DIM=D,
         BLOCK_D=max(32 if k_int8 else 16, triton.next_power_of_2(D)),
@@ -596,7 +601,7 @@ def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, w
         HAS_ALIBI=alibi_slopes is not None, ALIBI_SQRT=alibi_sqrt, HAS_SINKS=sinks is not None,
         NUM_SPLITS=splits, WRITE_LSE=write_lse, NEG_Q=scale < 0,
         KV_SAME=(s_kb, s_kt) == (s_vb, s_vt), K_INT8=k_int8, V_INT8=v_int8,
-        V_FAST_CVT=v_int8 and _ptx_ok(q),
+        V_FAST_CVT=v_int8 and _ptx_ok(q), K_SMOOTH=k_smooth is not None,
     )
     if splits > 1:
         block_d = triton.next_power_of_2(D)
@@ -621,10 +626,12 @@ def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
                         v_scale: Optional[torch.Tensor], layout: str, max_query_len: int,
                         max_kv_len: int, num_splits: int,
-                        k_scale_cache: Optional[torch.Tensor]) -> None:
+                        k_scale_cache: Optional[torch.Tensor],
+                        k_smooth: Optional[torch.Tensor]) -> None:
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, scale, causal,
             (window_left, window_right), softcap, alibi_slopes, alibi_sqrt, sinks, k_scale,
-            v_scale, layout, max_query_len, max_kv_len, num_splits or None, k_scale_cache)
+            v_scale, layout, max_query_len, max_kv_len, num_splits or None, k_scale_cache,
+            k_smooth)
 
 
 @_paged_attention_op.register_fake
@@ -642,7 +649,7 @@ def _varlen_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          ) -> None:
     _launch(q, k, v, None, cu_seqlens_q, cu_seqlens_k, out, lse, scale, causal,
             (window_left, window_right), softcap, alibi_slopes, alibi_sqrt, sinks, None, None,
-            "NHD", max_query_len, max_kv_len, None)
+            "NHD", max_query_len, max_kv_len, None, None, None)
 
 
 @_varlen_attention_op.register_fake
@@ -727,7 +734,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     v_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                     return_lse: bool = False, layout: str = "NHD",
                     max_query_len: Optional[int] = None, num_splits: Optional[int] = None,
-                    k_scale_cache: Optional[torch.Tensor] = None):
+                    k_scale_cache: Optional[torch.Tensor] = None,
+                    k_smooth: Optional[torch.Tensor] = None):
     """Attention of varlen queries over a paged KV cache (vLLM FlashAttention semantics).
 
     Args:
@@ -775,6 +783,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             count of any launch (tests, benchmarks, long-context chunked prefill).
         k_scale_cache: [num_blocks, H_kv, block_size] fp32 (any strides), the per-(token, head)
             K scales of an int8 k_cache (required there, None otherwise).
+        k_smooth: optional [H_kv, D] fp32 per-channel K smoothing factors of an int8 k_cache
+            written with the same factors (`write_kv_cache(..., k_smooth=)`, from
+            `quant.int8.calibrate_k_smooth`): q is multiplied by them before it is quantized.
 
     Returns:
         out [T, H, D] in q's dtype; with return_lse also lse [T, H] fp32 natural log.
@@ -804,21 +815,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if D % 8:
             raise NotImplementedError(f"int8 KV caches: head size {D} (supported: multiples of 8)")
         check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_cache.dtype, nb, page, H_kv, D)
+        if k_smooth is not None:
+            check_tensor("k_smooth", k_smooth, dtype=torch.float32, shape=(H_kv, D))
         scales = [None, v_scale]
     else:
+        if k_smooth is not None:
+            fail("k_smooth", f"None for a {k_cache.dtype} k_cache (int8 K only)", "a tensor")
         scales = _check_fp8_scales(k_scale, v_scale, k_scale_cache, k_cache.dtype, q.device)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         fail("num_splits", "None or an int >= 1", num_splits)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
                       cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, out=out,
                       alibi_slopes=alibi_slopes, sinks=sinks, k_scale=scales[0],
-                      v_scale=scales[1], k_scale_cache=k_scale_cache)
+                      v_scale=scales[1], k_scale_cache=k_scale_cache, k_smooth=k_smooth)
     if T > 0:
         max_q = _max_query_len(max_query_len, cu_seqlens_q, T, R)
         _paged_attention_op(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse,
                             scale, bool(causal), window[0], window[1], softcap, alibi_slopes,
                             bool(alibi_sqrt), sinks, scales[0], scales[1], layout, max_q,
-                            M * page, num_splits or 0, k_scale_cache)
+                            M * page, num_splits or 0, k_scale_cache, k_smooth)
     return (out, lse) if return_lse else out
 
 

@@ -282,7 +282,7 @@ def _gather_paged(cache, blocks, offsets, layout, kv_scale, name):
 def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, scale,
                         causal=True, window=(-1, -1), softcap=0.0, alibi_slopes=None,
                         alibi_sqrt=False, sinks=None, k_scale=None, v_scale=None, layout="NHD",
-                        k_scale_cache=None):
+                        k_scale_cache=None, k_smooth=None):
     """Attention of varlen queries over a paged KV cache (vLLM's FlashAttention semantics).
 
     Args:
@@ -297,7 +297,9 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens
             and makes q quantized per (token, head) by `quantize_per_token_head_ref` and
             dequantized, as the kernels see it; an int8 v_cache (int8_qkv, only with an int8 K)
             takes v_scale [H_kv, D] fp32 per channel (value = int8 * v_scale[head, channel]);
-            a bf16/fp16 v_cache beside an int8 K is int8_qk.
+            a bf16/fp16 v_cache beside an int8 K is int8_qk. k_smooth [H_kv, D] fp32 (int8 K
+            only): the cache holds K / k_smooth, so q is multiplied by k_smooth (fp32) per
+            channel of its KV head before it is quantized.
         block_table: [R, M] int32; token p of request r is at block block_table[r, p // block_size],
             offset p % block_size. Only positions p < seq_lens[r] are read.
         cu_seqlens_q: [R + 1] int; request r owns q rows cu_seqlens_q[r]:cu_seqlens_q[r+1].
@@ -340,10 +342,13 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens
                      device=q.device)
         if k_scale is not None:
             fail("k_scale", "None for an int8 k_cache (its scales are k_scale_cache)", k_scale)
+        if k_smooth is not None:
+            check_tensor("k_smooth", k_smooth, dtype=torch.float32, shape=(H_kv, D), device=q.device)
+            q = q.float() * k_smooth.repeat_interleave(H // H_kv, dim=0)[None]
         q_i8, q_s = quantize_per_token_head_ref(q)
         q = dequantize_per_token_head(q_i8, q_s)
-    elif k_scale_cache is not None:
-        fail("k_scale_cache", "None unless k_cache is int8", "a tensor")
+    elif k_scale_cache is not None or k_smooth is not None:
+        fail("k_scale_cache, k_smooth", "None unless k_cache is int8", "a tensor")
     if v_int8:
         check_tensor("v_scale", v_scale, dtype=torch.float32, shape=(H_kv, D), device=q.device)
     check_tensor("block_table", block_table, dtype=_INTS, ndim=2, device=q.device)

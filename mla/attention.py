@@ -17,6 +17,7 @@ int8 caches (kv_cache_dtype "int8_qkv" / "int8_qk", DESIGN.md): the cache is the
 (k_cache int8, v_cache int8 or the model's dtype, k_scale_cache [num_blocks, H_kv, block_size]
 fp32); the writer quantizes K per (token, head) into it, and int8_qkv's static per-channel V scale
 [H_kv, D] is set once (`set_v_scale`, `load_v_scale` from safetensors, or `calibrate_v_scale`).
+Optional K smoothing for outlier channels: `set_k_smooth` (`quant.int8.calibrate_k_smooth`).
 
 The per-step plan (decode/prefill split, cascade, local attention) is `mla.attention_plan`; its
 names are re-exported here. forward never reads the device.
@@ -142,6 +143,7 @@ class PagedAttentionImpl:
         self.k_scale = torch.ones(1, dtype=torch.float32)
         self.v_scale = torch.ones(1, dtype=torch.float32)
         self.int8_v_scale: Optional[torch.Tensor] = None  # int8_qkv: [H_kv, D] fp32
+        self.k_smooth: Optional[torch.Tensor] = None  # int8 K smoothing factors [H_kv, D] fp32
 
     # ------------------------------------------------------------------ load time
     def set_kv_scales(self, k_scale, v_scale) -> None:
@@ -159,6 +161,20 @@ class PagedAttentionImpl:
         if not bool(torch.isfinite(v_scale).all() and (v_scale > 0).all()):  # load time: a sync is fine
             fail("v_scale", "positive finite values", "a zero, negative or non-finite entry")
         self.int8_v_scale = v_scale.detach().contiguous()
+
+    def set_k_smooth(self, k_smooth: Optional[torch.Tensor]) -> None:
+        """int8 caches: per-channel K smoothing factors [H_kv, D] fp32 (positive, finite; from
+        `quant.int8.calibrate_k_smooth`), or None (off). Set before the cache is first written:
+        the cache holds K / k_smooth and attention multiplies q by it."""
+        if not self.is_int8:
+            fail("kv_cache_dtype", "'int8_qkv' or 'int8_qk' for K smoothing", self.kv_cache_dtype)
+        if k_smooth is not None:
+            check_tensor("k_smooth", k_smooth, dtype=torch.float32,
+                         shape=(self.num_kv_heads, self.head_size))
+            if not bool(torch.isfinite(k_smooth).all() and (k_smooth > 0).all()):  # load time
+                fail("k_smooth", "positive finite values", "a zero, negative or non-finite entry")
+            k_smooth = k_smooth.detach().contiguous()
+        self.k_smooth = k_smooth
 
     def load_v_scale(self, path, layer_name: str) -> None:
         """int8_qkv: this layer's V scale from a `quant.int8.save_v_scales` file (shape checked)."""
@@ -232,6 +248,11 @@ class PagedAttentionImpl:
             k_scale, v_scale = self._scales(query.device)
         elif self.kv_cache_dtype == "int8_qkv":
             v_scale = self._int8_v_scale(query.device)
+        k_smooth = None
+        if self.k_smooth is not None:
+            if self.k_smooth.device != query.device:  # moved once, then reused
+                self.k_smooth = self.k_smooth.to(query.device)
+            k_smooth = self.k_smooth
         if key is not None:
             n = plan.slot_mapping.shape[0]
             if key.shape[0] < n:
@@ -239,7 +260,7 @@ class PagedAttentionImpl:
             # check_slots=False: no host read; out-of-range slots are skipped in the kernel.
             write_kv_cache(key[:n], value[:n], k_cache, v_cache, plan.slot_mapping,
                            k_scale=k_scale, v_scale=v_scale, check_slots=False,
-                           k_scale_cache=k_scale_cache)
+                           k_scale_cache=k_scale_cache, k_smooth=k_smooth)
         if T == 0:
             return output
         sinks = self._sinks(query.device)
@@ -251,7 +272,7 @@ class PagedAttentionImpl:
             cascade_attention(query, k_cache, v_cache, c.block_table, c.cu_seqlens_q, c.seq_lens,
                               common_prefix_len=c.common_prefix_len, scale=self.scale,
                               softcap=self.softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                              k_scale_cache=k_scale_cache, out=output, max_query_len=c.max_query_len,
+                              k_scale_cache=k_scale_cache, k_smooth=k_smooth, out=output, max_query_len=c.max_query_len,
                               prefix_cu_seqlens_q=c.prefix_cu_seqlens_q,
                               prefix_seq_lens=c.prefix_seq_lens, suffix_seq_lens=c.suffix_seq_lens)
             return output
@@ -264,7 +285,8 @@ class PagedAttentionImpl:
                             sub.seq_lens, scale=self.scale, causal=True,
                             window=self.sliding_window, softcap=self.softcap, alibi_slopes=alibi,
                             sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=output[t0:t1],
-                            max_query_len=sub.max_query_len, k_scale_cache=k_scale_cache)
+                            max_query_len=sub.max_query_len, k_scale_cache=k_scale_cache,
+                            k_smooth=k_smooth)
         return output
 
     # ------------------------------------------------------------------ helpers

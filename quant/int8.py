@@ -31,6 +31,7 @@ NaN / inf policy (int8 has neither):
 
 Calibration and storage of V scales: `calibrate_v_scale` (amax or a percentile of |v| per
 (head, channel)), `save_v_scales` / `load_v_scales` (safetensors, keyed by layer name).
+Optional per-channel K smoothing for outlier channels: `calibrate_k_smooth` (see there).
 
 The `@triton.jit` helpers `int8_quantize_rows` and `int8_quantize_with_scale` are the building
 blocks the cache writer and the attention kernels call on their own tiles, so every producer of
@@ -306,6 +307,36 @@ def _percentile_along_0(a: torch.Tensor, percentile: float) -> torch.Tensor:
     return s[lo] + (s[hi] - s[lo]) * frac
 
 
+def _abs_samples(samples, name: str):
+    """Validated |x| (fp32) of each non-empty sample: `samples` is one tensor or an iterable of
+    tensors [T_i, A, B] (bf16 / fp16 / fp32, any strides, same A and B, same device, all values
+    finite). Returns (list of |x| [T_i, A, B], (A, B)); ValueError naming `name`[i] otherwise."""
+    if isinstance(samples, torch.Tensor):
+        samples = [samples]
+    out, shape, device = [], None, None
+    for i, v in enumerate(samples):
+        nm = f"{name}[{i}]"
+        check_tensor(nm, v, dtype=_IN_DTYPES, ndim=3)
+        if shape is None:
+            shape, device = tuple(v.shape[1:]), v.device
+        elif tuple(v.shape[1:]) != shape:
+            fail(f"{nm}.shape", f"(T, {shape[0]}, {shape[1]}) like {name}[0]", tuple(v.shape))
+        elif v.device != device:
+            fail(f"{nm}.device", f"{device} (the device of {name}[0])", v.device)
+        if v.shape[0] == 0:
+            continue
+        a = v.float().abs()
+        if not bool(torch.isfinite(a).all()):
+            bad = (~torch.isfinite(a)).nonzero()[0].tolist()
+            fail(nm, "finite values", f"{v[tuple(bad)].item()} at {bad}")
+        out.append(a)
+    if shape is None:
+        fail(name, "at least one tensor [T, H, D]", "an empty iterable")
+    if not out:
+        fail(name, "at least one token in all", "0 tokens")
+    return out, shape
+
+
 def calibrate_v_scale(samples: Union[torch.Tensor, Iterable[torch.Tensor]], *,
                       percentile: Optional[float] = None) -> torch.Tensor:
     """Static per-channel V scale from observed V values.
@@ -324,42 +355,47 @@ def calibrate_v_scale(samples: Union[torch.Tensor, Iterable[torch.Tensor]], *,
     """
     if percentile is not None and not (isinstance(percentile, (int, float)) and 0 < percentile <= 100):
         fail("percentile", "None or a number in (0, 100]", percentile)
-    if isinstance(samples, torch.Tensor):
-        samples = [samples]
-    running = None  # abs-max so far [H_kv, D] fp32, or the list of |v| [T_i, H_kv * D] for a percentile
-    shape = device = None
-    tokens = 0
-    for i, v in enumerate(samples):
-        name = f"samples[{i}]"
-        check_tensor(name, v, dtype=_IN_DTYPES, ndim=3)
-        if shape is None:
-            shape, device = tuple(v.shape[1:]), v.device
-        elif tuple(v.shape[1:]) != shape:
-            fail(f"{name}.shape", f"(T, {shape[0]}, {shape[1]}) like samples[0]", tuple(v.shape))
-        elif v.device != device:
-            fail(f"{name}.device", f"{device} (the device of samples[0])", v.device)
-        if v.shape[0] == 0:
-            continue
-        a = v.float().abs()
-        if not bool(torch.isfinite(a).all()):
-            bad = (~torch.isfinite(a)).nonzero()[0].tolist()
-            fail(name, "finite values", f"{v[tuple(bad)].item()} at {bad}")
-        tokens += v.shape[0]
-        if percentile is None:
-            m = a.amax(dim=0)
-            running = m if running is None else torch.maximum(running, m)
-        else:
-            running = [] if running is None else running
-            running.append(a.reshape(v.shape[0], -1))
-    if shape is None:
-        fail("samples", "at least one tensor [T, H_kv, D]", "an empty iterable")
-    if tokens == 0:
-        fail("samples", "at least one token in all", "0 tokens")
+    absv, shape = _abs_samples(samples, "samples")
     if percentile is None:
-        amax = running
+        amax = torch.stack([a.amax(dim=0) for a in absv]).amax(dim=0)
     else:
-        amax = _percentile_along_0(torch.cat(running, dim=0), float(percentile)).float().reshape(shape)
+        flat = torch.cat([a.reshape(a.shape[0], -1) for a in absv], dim=0)
+        amax = _percentile_along_0(flat, float(percentile)).float().reshape(shape)
     return int8_scales_ref(amax)
+
+
+K_SMOOTH_RANGE = (2.0 ** -20, 2.0 ** 20)  # factors are clamped to this range
+
+
+def calibrate_k_smooth(k_samples: Union[torch.Tensor, Iterable[torch.Tensor]],
+                       q_samples: Union[torch.Tensor, Iterable[torch.Tensor]]) -> torch.Tensor:
+    """Static per-channel K smoothing factors for int8 K (an opt-in beside DESIGN.md's format).
+
+    A key's per-(token, head) int8 scale is set by its largest channel: an outlier channel 50x
+    the others leaves them about one bit. Dividing K by f per channel before quantizing and
+    multiplying q by the same f (q.k unchanged) moves the outlier into q, which is quantized
+    per (token, head) as well; f = sqrt(amax|k| / amax|q|) per (KV head, channel) balances the
+    two (SmoothQuant's rule with alpha 1/2). `write_kv_cache(..., k_smooth=f)` and
+    `paged_attention(..., k_smooth=f)` apply it.
+
+    Args:
+        k_samples: one tensor or an iterable [T_i, H_kv, D] of observed keys (finite values).
+        q_samples: one tensor or an iterable [T_j, H, D] of observed queries, H a multiple of
+            H_kv; query head h belongs to KV head h // (H / H_kv) (GQA).
+    Returns:
+        f: [H_kv, D] fp32 = sqrt(amax_k / amax_q) clamped to [2^-20, 2^20]; 1 for a channel
+        where either abs-max is 0. Calibration-time tool (reads values back to the host).
+    """
+    ka, (h_kv, d) = _abs_samples(k_samples, "k_samples")
+    qa, (h, dq) = _abs_samples(q_samples, "q_samples")
+    if dq != d or h % h_kv:
+        fail("q_samples.shape", f"(T, H, {d}) with H a multiple of H_kv = {h_kv}", (None, h, dq))
+    amax_k = torch.stack([a.amax(dim=0) for a in ka]).amax(dim=0).double()
+    amax_q = torch.stack([a.amax(dim=0) for a in qa]).amax(dim=0).double().to(amax_k.device)
+    amax_q = amax_q.view(h_kv, h // h_kv, d).amax(dim=1)  # over the query heads of each KV head
+    both = (amax_k > 0) & (amax_q > 0)
+    f = torch.where(both, (amax_k / torch.where(both, amax_q, 1.0)).sqrt(), 1.0)
+    return f.clamp(*K_SMOOTH_RANGE).float()
 
 
 def _check_scale_entry(name: str, t, expect_shapes) -> None:

@@ -69,14 +69,15 @@ def _quantize(x, scale_ptr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, dtype: 
 
 @triton.jit
 def write_kv_cache_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, ksc_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, ksc_ptr, ksm_ptr,
     H, D, NUM_SLOTS, BLOCK_SIZE,
     s_kt, s_kh, s_vt, s_vh,
     s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch,
-    s_kscb, s_ksch, s_ksct, s_vsh, s_vsd,
+    s_kscb, s_ksch, s_ksct, s_vsh, s_vsd, s_ksmh, s_ksmd,
     IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     K_INT8: tl.constexpr, V_INT8: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+    K_SMOOTH: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i_t).to(tl.int64)
@@ -91,8 +92,13 @@ def write_kv_cache_kernel(
         b_k = tl.load(k_ptr + i_t * s_kt + o_h[:, None] * s_kh + o_d[None, :], mask=m_hd)
         b_v = tl.load(v_ptr + i_t * s_vt + o_h[:, None] * s_vh + o_d[None, :], mask=m_hd)
         if K_INT8:
+            b_kf = b_k.to(tl.float32)
+            if K_SMOOTH:  # k / f per channel, correctly rounded (as the reference's division)
+                b_f = tl.load(ksm_ptr + o_h[:, None] * s_ksmh + o_d[None, :] * s_ksmd, mask=m_hd,
+                              other=1.0)
+                b_kf = tl.math.div_rn(b_kf, b_f)
             # Masked-off lanes must be 0 for the abs-max (the loads above leave them undefined).
-            b_k, b_ks = int8_quantize_rows(tl.where(m_hd, b_k.to(tl.float32), 0.0), SCALE_FLOOR)
+            b_k, b_ks = int8_quantize_rows(tl.where(m_hd, b_kf, 0.0), SCALE_FLOOR)
             tl.store(ksc_ptr + i_b * s_kscb + o_h * s_ksch + i_o * s_ksct, b_ks, mask=o_h < H)
         else:
             b_k = _quantize(b_k, k_scale_ptr, IS_FP8, FP8_MAX, kc_ptr.dtype.element_ty)
@@ -110,7 +116,7 @@ def write_kv_cache_kernel(
 
 
 def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
-            k_scale_cache=None):
+            k_scale_cache=None, k_smooth=None):
     T, H, D = key.shape
     if T == 0 or H == 0:
         return
@@ -125,15 +131,18 @@ def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout
     ksc = k_scale_cache if k_int8 else slot_mapping  # never written unless K_INT8
     ksc_strides = k_scale_cache.stride() if k_int8 else (0, 0, 0)
     vs_strides = v_scale.stride() if v_int8 else (0, 0)
+    ksm = k_smooth if k_smooth is not None else slot_mapping  # read only with K_SMOOTH
+    ksm_strides = k_smooth.stride() if k_smooth is not None else (0, 0)
     grid = (T, triton.cdiv(H, block_h))
     write_kv_cache_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping, scale_k, scale_v, ksc,
+        key, value, k_cache, v_cache, slot_mapping, scale_k, scale_v, ksc, ksm,
         H, D, nb * bs, bs,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *cache_strides(k_cache, layout), *cache_strides(v_cache, layout),
-        *ksc_strides, *vs_strides,
+        *ksc_strides, *vs_strides, *ksm_strides,
         IS_FP8=is_fp8, FP8_MAX=FP8_E4M3_MAX, BLOCK_H=block_h, BLOCK_D=block_d,
         K_INT8=k_int8, V_INT8=v_int8, SCALE_FLOOR=INT8_SCALE_FLOOR,
+        K_SMOOTH=k_smooth is not None,
     )
 
 
@@ -142,15 +151,18 @@ def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout
 def _write_kv_cache_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                       layout: str, k_scale_cache: Optional[torch.Tensor]) -> None:
+                       layout: str, k_scale_cache: Optional[torch.Tensor],
+                       k_smooth: Optional[torch.Tensor]) -> None:
     # k_scale_cache has no default on purpose: torch 2.11 drops trailing default-valued
     # arguments before its in-place bookkeeping indexes the mutated ones (IndexError on the
     # H200's torch when it was `= None`).
-    _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache)
+    _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache,
+            k_smooth)
 
 
 @_write_kv_cache_op.register_fake
-def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache):
+def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache,
+      k_smooth):
     return None
 
 
@@ -158,7 +170,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
                    layout: str = "NHD", check_slots: bool = True,
-                   k_scale_cache: Optional[torch.Tensor] = None) -> None:
+                   k_scale_cache: Optional[torch.Tensor] = None,
+                   k_smooth: Optional[torch.Tensor] = None) -> None:
     """Write new keys and values into paged caches, in place.
 
     The cache mode follows from the cache dtypes:
@@ -190,6 +203,12 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
             its key: max(amax / 127, 1e-8) over key[t, h, :] in fp32, and k_cache receives
             clamp(rne(key_fp32 / scale), -127, 127) (NaN/inf policy of `quant/int8.py`). Both equal
             `quant.int8.quantize_per_token_head_ref(key)` bit for bit.
+        k_smooth: optional [H_kv, D] fp32 per-channel K smoothing factors (positive, finite: from
+            `quant.int8.calibrate_k_smooth`), int8 K only: the cache then holds the per-token
+            quantization of key_fp32 / k_smooth (correctly rounded division), i.e.
+            `quantize_per_token_head_ref(key.float() / k_smooth)`; the attention kernels multiply
+            q by the same factors (`paged_attention(..., k_smooth=)`), so q.k is unchanged while
+            outlier channels no longer set every key's scale.
 
     bf16/fp16 caches receive key.to(cache dtype) (round to nearest even).
     """
@@ -222,6 +241,10 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
     if k_int8:
         check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_cache.dtype, nb, bs, H, D)
+        if k_smooth is not None:
+            check_tensor("k_smooth", k_smooth, dtype=torch.float32, shape=(H, D))
+    elif k_smooth is not None:
+        fail("k_smooth", f"None for a {k_cache.dtype} k_cache (int8 K only)", "a tensor")
     else:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             if is_fp8:
@@ -235,14 +258,14 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
             fail("k_scale_cache", f"None for a {k_cache.dtype} k_cache (int8 K only)", "a tensor")
     check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
                       slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale,
-                      k_scale_cache=k_scale_cache)
+                      k_scale_cache=k_scale_cache, k_smooth=k_smooth)
     if check_slots and T > 0:
         top = int(slot_mapping.max())  # the one host sync (see check_slots)
         if top >= nb * bs:
             fail("slot_mapping", f"slots < num_blocks * block_size = {nb * bs} (or < 0: skip)",
                  f"max {top}")
     _write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
-                       k_scale_cache)
+                       k_scale_cache, k_smooth)
 
 
 def check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_dtype, nb, bs, H, D) -> None:

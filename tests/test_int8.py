@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from quant.int8 import (
+    K_SMOOTH_RANGE,
+    calibrate_k_smooth,
     calibrate_v_scale,
     dequantize_per_channel,
     dequantize_per_token_head,
@@ -344,6 +346,43 @@ BAD_CALIBRATION = [
 def test_calibrate_rejects(edit, kw, name):
     with pytest.raises(ValueError, match="^" + re.escape(name)):
         calibrate_v_scale(edit(_samples(35, dtype=torch.float32)), **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# K smoothing factors
+# ----------------------------------------------------------------------------------------------
+def test_calibrate_k_smooth_is_sqrt_of_amax_ratio_per_kv_head():
+    """f[h_kv, c] = sqrt(amax |k| over tokens / amax |q| over tokens and the group's query heads),
+    against a plain loop; 1 where a channel is all zero; the clamp at the range's ends."""
+    g = torch.Generator().manual_seed(3)
+    k = [torch.randn(40, 2, 16, generator=g) * 3, torch.randn(9, 2, 16, generator=g)]
+    q = torch.randn(30, 6, 16, generator=g).bfloat16()  # GQA 3: heads 0-2 -> kv 0, 3-5 -> kv 1
+    k[0][:, 1, 5] = 0.0
+    k[1][:, 1, 5] = 0.0  # an all-zero key channel
+    q[:, 0:3, 7] = 0.0  # an all-zero query channel of kv head 0
+    k[0][3, 0, 9] = 1e30  # a huge key channel: clamped to 2^20
+    f = calibrate_k_smooth((x.to(DEVICE) for x in k), q.to(DEVICE)).cpu()
+    assert f.dtype == torch.float32 and f.shape == (2, 16)
+    kk, qq = torch.cat(k).double().abs(), q.double().abs()
+    for h in range(2):
+        for c in range(16):
+            ak, aq = float(kk[:, h, c].max()), float(qq[:, 3 * h:3 * h + 3, c].max())
+            want = 1.0 if ak == 0 or aq == 0 else min(max((ak / aq) ** 0.5, K_SMOOTH_RANGE[0]),
+                                                       K_SMOOTH_RANGE[1])
+            assert f[h, c].item() == np.float32(want), (h, c)
+    assert f[1, 5] == 1.0 and f[0, 7] == 1.0 and f[0, 9] == K_SMOOTH_RANGE[1]
+
+
+def test_calibrate_k_smooth_rejects():
+    k, q = torch.randn(5, 2, 16), torch.randn(5, 4, 16)
+    with pytest.raises(ValueError, match="^q_samples.shape"):
+        calibrate_k_smooth(k, torch.randn(5, 3, 16))  # 3 heads over 2 kv heads
+    with pytest.raises(ValueError, match="^q_samples.shape"):
+        calibrate_k_smooth(k, torch.randn(5, 4, 8))
+    with pytest.raises(ValueError, match=r"^k_samples\[0\]"):
+        calibrate_k_smooth(k.clone().fill_(NAN), q)
+    with pytest.raises(ValueError, match="^q_samples"):
+        calibrate_k_smooth(k, [])
 
 
 # ----------------------------------------------------------------------------------------------

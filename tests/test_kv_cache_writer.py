@@ -142,7 +142,7 @@ def test_registered_as_custom_op():
     kc = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16, device=DEVICE)
     slots = torch.tensor([0, -1, 5], device=DEVICE)
     torch.library.opcheck(torch.ops.openmla.write_kv_cache.default,
-                          (key, key.clone(), kc, kc.clone(), slots, None, None, "NHD", None),
+                          (key, key.clone(), kc, kc.clone(), slots, None, None, "NHD", None, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -241,7 +241,7 @@ def _assert_bits(name, got, want):
 
 
 def check_int8_write(T, H, D, bs, nb, v_cache, in_dtype, layout, *, slot_dtype=torch.int64,
-                     extra_rows=1, permuted_scales=False, oob_slots=(), seed=0):
+                     extra_rows=1, permuted_scales=False, oob_slots=(), seed=0, k_smooth=None):
     g = torch.Generator().manual_seed(seed)
     vdt = V_CACHES[v_cache]
     key, value, v_scale = _int8_inputs(T, H, D, IN_DTYPES[in_dtype], g)
@@ -259,9 +259,12 @@ def check_int8_write(T, H, D, bs, nb, v_cache, in_dtype, layout, *, slot_dtype=t
     if vdt != torch.int8:
         v_scale = None
     write_kv_cache(key, value, view(kb), view(vb), slots.to(slot_dtype).to(DEVICE), v_scale=v_scale,
-                   layout=layout, check_slots=not oob_slots, k_scale_cache=ksc)
+                   layout=layout, check_slots=not oob_slots, k_scale_cache=ksc, k_smooth=k_smooth)
 
-    q_k, s_k = quantize_per_token_head_ref(key.cpu())
+    if k_smooth is None:
+        q_k, s_k = quantize_per_token_head_ref(key.cpu())
+    else:  # the cache holds K / f: a correctly rounded fp32 division, then the same rule
+        q_k, s_k = quantize_per_token_head_ref(key.cpu().float() / k_smooth.cpu())
     q_v = (quantize_per_channel_ref(value.cpu(), v_scale.cpu()) if v_scale is not None
            else value.cpu().to(vdt))
     sl = slots.tolist()
@@ -286,6 +289,19 @@ def check_int8_write(T, H, D, bs, nb, v_cache, in_dtype, layout, *, slot_dtype=t
     want_bits = torch.where(written, _canonical_nan_bits(want), before[2].view(torch.int32))
     _assert_bits("k_scale_cache", got_bits, want_bits)
     assert int(written.sum()) == H * sum(0 <= s < nb * bs for s in sl)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("v_cache,layout,in_dtype", [pytest.param("int8", "NHD", "bf16", id="qkv-NHD-bf16"),
+                                                     pytest.param("bf16", "HND", "fp32", id="qk-HND-fp32")])
+def test_int8_write_with_k_smooth(v_cache, layout, in_dtype):
+    """k_smooth: K / f per channel (a strided [H, D] view of factors that are not powers of two,
+    so the division rounds) before the per-token rule: bytes and scales equal the torch reference
+    with its correctly rounded division, planted NaN / inf / zero keys included."""
+    g = torch.Generator().manual_seed(9)
+    H, D = 3, 64
+    f = (torch.rand(D, H, generator=g) * 30 + 0.01).t()  # [H, D], strides (1, H)
+    check_int8_write(14, H, D, 16, 2, v_cache, in_dtype, layout, k_smooth=f.to(DEVICE))
 
 
 def _scale_cache_view(back, bs, permuted):
@@ -390,5 +406,5 @@ def test_int8_registered_as_custom_op():
     key, kc, vc, ksc, vs, _ = _int8_setup()
     slots = torch.tensor([0, -1, 5], device=DEVICE)
     torch.library.opcheck(torch.ops.openmla.write_kv_cache.default,
-                          (key, key.clone(), kc, vc, slots, None, vs, "NHD", ksc),
+                          (key, key.clone(), kc, vc, slots, None, vs, "NHD", ksc, None),
                           test_utils=("test_schema", "test_faketensor"))

@@ -14,7 +14,8 @@ import torch
 
 from kernels.paged_attention import paged_attention
 from kernels.reference import paged_attention_ref
-from quant.int8 import calibrate_v_scale, quantize_per_channel_ref, quantize_per_token_head_ref
+from quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
+                        quantize_per_token_head_ref)
 from quant.kv_cache import cache_dims, write_kv_cache
 from tests.helpers import DEVICE, GPU_ONLY, INTERPRET, assert_close
 from tests.test_paged_attention import _kv, build
@@ -35,11 +36,14 @@ def _int8_view(like, layout):
     return back[:, :bs] if layout == "NHD" else back[:, :, :bs]
 
 
-def to_int8(b, mode):
-    """The bf16 batch `b` with its caches quantized: mode "int8_qkv" or "int8_qk"."""
+def to_int8(b, mode, k_smooth=None):
+    """The bf16 batch `b` with its caches quantized: mode "int8_qkv" or "int8_qk"; with k_smooth
+    [H_kv, D], K is stored as the quantization of K / k_smooth (write_kv_cache's rule)."""
     layout = b["layout"]
     nb, bs, H_kv, D = cache_dims(b["k_cache"], layout)
     k = _nhd(b["k_cache"], layout).reshape(nb * bs, H_kv, D)
+    if k_smooth is not None:
+        k = k.float() / k_smooth
     k8, ks = quantize_per_token_head_ref(k)  # unwritten (NaN) rows: scale NaN
     unused = torch.isnan(ks)
     kc = _int8_view(b["k_cache"], layout)
@@ -47,7 +51,8 @@ def to_int8(b, mode):
     ksc_back = torch.full((nb, H_kv, bs + 3), float("nan"), device=k.device)
     ksc = ksc_back[:, :, 1:bs + 1]  # a strided view
     ksc.copy_(ks.view(nb, bs, H_kv).transpose(1, 2))
-    out = {**b, "k_cache": kc, "k_scale_cache": ksc, "k_scale": None, "v_scale": None}
+    out = {**b, "k_cache": kc, "k_scale_cache": ksc, "k_scale": None, "v_scale": None,
+           "k_smooth": k_smooth}
     if mode == "int8_qkv":
         v = _nhd(b["v_cache"], layout).reshape(nb * bs, H_kv, D)
         seen = ~torch.isnan(v).any(-1).any(-1)
@@ -162,6 +167,72 @@ def test_error_against_bf16_gaussian(mode, bound):
     assert _rel_l2(got[:T], want[:T]) <= bound
 
 
+def _outlier_batch(seqs, H, H_kv, D, seed=0):
+    """A bf16 batch whose K and V have 1 channel in 64 (per KV head) scaled by U(50, 200), with q
+    divided by the same factor on its KV head's channels (tools/sweep.py's "outliers" kind:
+    every channel still counts in the scores)."""
+    g = torch.Generator().manual_seed(seed + 11)
+    b = build(seqs, H, H_kv, D, 16, seed=seed)
+    gain = torch.ones(H_kv, D)
+    for h in range(H_kv):
+        ch = torch.randperm(D, generator=g)[:max(1, D // 64)]
+        gain[h, ch] = torch.empty(len(ch)).uniform_(50, 200, generator=g)
+    gain = gain.to(DEVICE)
+    for c in ("k_cache", "v_cache"):  # unwritten rows stay NaN
+        b[c] = _scaled_view(b[c], gain)
+    q = (b["q"].float() / gain.repeat_interleave(H // H_kv, 0)).to(b["q"].dtype)
+    return {**b, "q": q}
+
+
+def _scaled_view(c, gain):
+    """c * gain (per head and channel) in a fresh strided view with the same hidden rows."""
+    back = torch.full((c.shape[0], c.shape[1] + 1) + tuple(c.shape[2:]), float("nan"),
+                      dtype=c.dtype, device=c.device)
+    view = back[:, :c.shape[1]]
+    view.copy_((c.float() * gain).to(c.dtype))
+    return view
+
+
+def _seen_keys(b):
+    nb, bs, H_kv, D = b["k_cache"].shape
+    k = b["k_cache"].reshape(nb * bs, H_kv, D)
+    return k[~torch.isnan(k).any(-1).any(-1)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_error_against_bf16_outlier_channels(mode):
+    """Issue 8's bar: rel. L2 <= 3e-2 against unquantized bf16 attention on outlier-channel data.
+    Per-token K scales alone cannot (measured 0.27-0.51 in docs/accuracy.md, > 0.1 here): the
+    outlier channel sets each key's scale. With per-channel K smoothing calibrated on the keys and
+    a few queries (quant.int8.calibrate_k_smooth) it holds."""
+    seqs = [(1, _kv(2000)), (1, _kv(1500)), (2, 700)]
+    T = sum(q for q, _ in seqs)
+    b = _outlier_batch(seqs, 8, 2, 128)
+    want = paged_attention_ref(**b, scale=128 ** -0.5)[0][:T]
+    plain = paged_attention(**to_int8(b, mode), scale=128 ** -0.5)[:T]
+    assert _rel_l2(plain, want) > 0.1
+    f = calibrate_k_smooth(_seen_keys(b), b["q"][:T])
+    smooth = paged_attention(**to_int8(b, mode, k_smooth=f), scale=128 ** -0.5)[:T]
+    assert _rel_l2(smooth, want) <= 3e-2
+
+
+SMOOTH = [  # (seqs, H, H_kv, D, bs, build options, run options)
+    pytest.param([(1, 900), (4, 60)], 8, 2, 64, 16, {}, {"num_splits": 3}, id="decode-split"),
+    pytest.param([(70, 500), (1, 33)], 8, 2, 64, 16, {"layout": "HND"}, {"scale": -0.09},
+                 id="prefill-HND-negative-scale"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("seqs,H,H_kv,D,bs,bopts,opts", SMOOTH)
+def test_k_smooth_matches_oracle(mode, seqs, H, H_kv, D, bs, bopts, opts):
+    """The kernel multiplies q by the factors of its KV head before quantizing, as the oracle."""
+    seqs = [(q, _kv(kv)) for q, kv in seqs]
+    g = torch.Generator().manual_seed(8)
+    f = (torch.rand(H_kv, D, generator=g) * 8 + 0.125).to(DEVICE)  # 0.125..8.125, not powers of 2
+    run_int8(to_int8(build(seqs, H, H_kv, D, bs, **bopts), mode, k_smooth=f), H, **opts)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +262,10 @@ def test_bad_inputs_raise():
         paged_attention(**{**bf, "v_cache": b["v_cache"]}, **kw)
     with pytest.raises(ValueError, match="k_scale_cache"):  # a scale cache for a bf16 K
         paged_attention(**{**bf, "k_scale_cache": b["k_scale_cache"]}, **kw)
+    with pytest.raises(ValueError, match="k_smooth"):  # smoothing for a bf16 K
+        paged_attention(**bf, k_smooth=torch.ones(2, 64, device=DEVICE), **kw)
+    with pytest.raises(ValueError, match="k_smooth"):  # [H_kv, D] per KV head
+        paged_attention(**{**b, "k_smooth": torch.ones(4, 64, device=DEVICE)}, **kw)
     odd = to_int8(build([(1, 40)], 4, 2, 8, 16), "int8_qk")
     with pytest.raises(NotImplementedError, match="multiples of 8"):
         paged_attention(**{**odd, "q": odd["q"][..., :6], "k_cache": odd["k_cache"][..., :6],

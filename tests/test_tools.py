@@ -61,7 +61,8 @@ def test_sweep_default_grid_is_complete(default_sweep):
     assert len(result["rows"]) == len(want)
     # every format is measured (int8 since issue 8), none pending
     assert result["pending"] == []
-    assert {r["format"] for r in result["rows"] if r["family"] == "mha"} == {"bf16", "fp8", "int8_qkv", "int8_qk"}
+    assert {r["format"] for r in result["rows"] if r["family"] == "mha"} == {
+        "bf16", "fp8", "int8_qkv", "int8_qk", "int8_qkv_smooth", "int8_qk_smooth"}
 
 
 def test_sweep_prints_the_numbers_it_computed(default_sweep):
@@ -122,6 +123,8 @@ def test_sweep_values_are_plausible(default_sweep):
             err = r["format_err"]["rel_l2"]
             if r["data"] == "gaussian":  # 8-bit Q and K: ~1e-2 (measured 0.9-1.3e-2)
                 assert 5e-3 < err < 2e-2, r
+            elif r["data"] == "outliers" and r["format"].endswith("_smooth"):
+                assert 3e-3 < err <= 3e-2, r  # issue 8's bar, met with K smoothing
             elif r["data"] == "outliers":
                 # A key's per-token scale is set by its outlier channel (x50-200): the other
                 # channels keep ~1 bit; measured 0.27-0.51 (issue 8 note). A change here is news.

@@ -2,7 +2,7 @@
 """Accuracy sweep: what each KV cache format costs in ATTENTION OUTPUTS, against bf16 and fp32.
 
 For every cache format (sparse MLA: bf16, fp8_ds_mla with pow2 and raw scales; MHA: bf16, fp8
-per-tensor; int8_qkv / int8_qk), a grid of shapes and data
+per-tensor; int8_qkv / int8_qk, with and without K smoothing), a grid of shapes and data
 kinds (gaussian; outlier channels; heavy-tailed Student-t(3)), it reports the error of the
 attention output and lse against
 
@@ -203,11 +203,14 @@ def _mha_kernel(x, st):
                            return_lse=True, max_query_len=1)
 
 
-def _int8_quantize(x, *, v_int8: bool):
-    """int8 K per (token, head); int8_qkv: V per channel with the abs-max calibrated on this V."""
-    from quant.int8 import calibrate_v_scale, quantize_per_channel_ref, quantize_per_token_head_ref
-    k8, ks = quantize_per_token_head_ref(x["k"])
-    st = {"k": k8, "k_scales": ks, "v": x["v"], "v_scale": None}
+def _int8_quantize(x, *, v_int8: bool, smooth: bool = False):
+    """int8 K per (token, head); int8_qkv: V per channel with the abs-max calibrated on this V;
+    smooth: K / f first, f = calibrate_k_smooth(these keys, these queries)."""
+    from quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
+                            quantize_per_token_head_ref)
+    f = calibrate_k_smooth(x["k"], x["q"]) if smooth else None
+    k8, ks = quantize_per_token_head_ref(x["k"] if f is None else x["k"].float() / f)
+    st = {"k": k8, "k_scales": ks, "v": x["v"], "v_scale": None, "k_smooth": f}
     if v_int8:
         st["v_scale"] = calibrate_v_scale(x["v"])
         st["v"] = quantize_per_channel_ref(x["v"], st["v_scale"])
@@ -217,7 +220,10 @@ def _int8_quantize(x, *, v_int8: bool):
 def _int8_dequantize(x, st):
     """What the kernel computes with: q quantized per (token, head) at attention time, too."""
     from quant.int8 import dequantize_per_token_head, quantize_per_token_head_ref
-    q = dequantize_per_token_head(*quantize_per_token_head_ref(x["q"]))
+    q = x["q"]
+    if st["k_smooth"] is not None:  # the kernel quantizes q * f (q.k unchanged before rounding)
+        q = q.float() * st["k_smooth"].repeat_interleave(q.shape[1] // st["k_smooth"].shape[0], 0)
+    q = dequantize_per_token_head(*quantize_per_token_head_ref(q))
     v = st["v"].float() if st["v_scale"] is None else st["v"].float() * st["v_scale"]
     return {"q": q, "k": dequantize_per_token_head(st["k"], st["k_scales"]), "v": v}
 
@@ -230,7 +236,7 @@ def _int8_kernel(x, st):
     ksc = _paged(st["k_scales"][..., None], x["table"], bs, nb)[..., 0].transpose(1, 2).contiguous()
     return paged_attention(x["q"], kc, vc, x["table"], x["cu_q"], x["seq_lens"], scale=x["scale"],
                            causal=True, k_scale_cache=ksc, v_scale=st["v_scale"], return_lse=True,
-                           max_query_len=1)
+                           max_query_len=1, k_smooth=st["k_smooth"])
 
 
 FORMATS: list[Format] = [
@@ -244,6 +250,10 @@ FORMATS: list[Format] = [
            lambda x: _int8_quantize(x, v_int8=True), _int8_dequantize, _int8_kernel),
     Format("int8_qk", "mha", "int8 Q, K (per token and head); V in bf16",
            lambda x: _int8_quantize(x, v_int8=False), _int8_dequantize, _int8_kernel),
+    Format("int8_qkv_smooth", "mha", "int8_qkv with per-channel K smoothing (calibrate_k_smooth)",
+           lambda x: _int8_quantize(x, v_int8=True, smooth=True), _int8_dequantize, _int8_kernel),
+    Format("int8_qk_smooth", "mha", "int8_qk with per-channel K smoothing (calibrate_k_smooth)",
+           lambda x: _int8_quantize(x, v_int8=False, smooth=True), _int8_dequantize, _int8_kernel),
 ]
 
 
