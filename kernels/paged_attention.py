@@ -1,4 +1,4 @@
-"""Attention of varlen queries over a paged KV cache (general MHA/GQA path), and encoder attention.
+"""Attention of varlen queries over a paged KV cache (general MHA/GQA path).
 
 Semantics are vLLM's FlashAttention backend (DESIGN.md, General MHA path; oracle
 `kernels.reference.paged_attention_ref`): query i of request r sits at key position
@@ -20,8 +20,8 @@ One kernel, `paged_attention_kernel`:
 - Only key tiles that some row of the program may see are visited (causal and window bounds),
   and only positions < seq_len (and inside that union) are read: block table entries beyond
   the sequence and cache rows outside it are never touched.
-- Every program (prefill and decode alike) splits its keys into interior tiles, seen by every row of the
-  block behind valid block ids, and the masked tiles at the causal diagonal and window edges
+- Every program (prefill and decode alike) splits its keys into interior tiles, seen by every
+  row of the block behind valid block ids, and the masked tiles at the causal diagonal and window edges
   (FlashAttention's off-band / on-band loops). Interior tiles use no masks and take their block
   ids from registers loaded one tile ahead, so the compiler's pipeliner issues their K / V
   copies num_stages - 1 tiles ahead (a block-id load in the same iteration made it wait for
@@ -35,7 +35,7 @@ One kernel, `paged_attention_kernel`:
   scaled by s_q * s_k per score, and an int8 V enters the P.V dot as fp16 (converted exactly,
   on NVIDIA with byte permutes instead of quarter-rate I2F), its per-channel scale applied to
   the output once.
-- Encoder attention (`varlen_attention`) is the same kernel with IS_PAGED off: request r's
+- Encoder attention (`kernels.varlen_attention`) is the same kernel with IS_PAGED off: request r's
   keys are rows cu_seqlens_k[r] + j of contiguous k / v.
 
 Block shapes are autotune configs keyed on shape classes (row bucket, GQA, head dim, page
@@ -372,7 +372,8 @@ def paged_attention_kernel(
         # joins each row's scale once, so a score costs two multiplies on the int32 dot.
         b_qf = b_q.to(tl.float32)
         if K_SMOOTH:  # the cache holds K / f per channel: q * f keeps q.k (masked lanes: 0 * 1)
-            b_qf = b_qf * tl.load(ksm_ptr + i_kvh * s_ksmh + o_d * s_ksmd, mask=m_d, other=1.0)[None, :]
+            b_f = tl.load(ksm_ptr + i_kvh * s_ksmh + o_d * s_ksmd, mask=m_d, other=1.0)
+            b_qf = b_qf * b_f[None, :]
         b_q, b_qs = int8_quantize_rows(b_qf, _INT8_FLOOR)
         b_qs = b_qs * qk_scale
     else:
@@ -540,9 +541,9 @@ def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms:
     return block_m, max(1, min(want, MAX_SPLITS, triton.cdiv(max_kv, MIN_KEYS_PER_SPLIT)))
 
 
-def _launch(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, window, softcap,
-            alibi_slopes, alibi_sqrt, sinks, k_scale, v_scale, layout, max_q, max_kv,
-            num_splits, k_scale_cache=None, k_smooth=None):
+def launch_attention(q, k, v, block_table, cu_seqlens_q, lens, out, lse, scale, causal, window,
+                     softcap, alibi_slopes, alibi_sqrt, sinks, k_scale, v_scale, layout, max_q,
+                     max_kv, num_splits, k_scale_cache=None, k_smooth=None):
     """Run on validated inputs. block_table None: encoder mode, k/v are [Tk, H_kv, D] and lens
     is cu_seqlens_k. Writes out (and lse when given). An int8 k (int8_qk / int8_qkv) comes with
     its k_scale_cache; v_scale is then None (int8_qk) or the per-channel [H_kv, D] scale."""
@@ -628,32 +629,14 @@ def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         max_kv_len: int, num_splits: int,
                         k_scale_cache: Optional[torch.Tensor],
                         k_smooth: Optional[torch.Tensor]) -> None:
-    _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, scale, causal,
-            (window_left, window_right), softcap, alibi_slopes, alibi_sqrt, sinks, k_scale,
-            v_scale, layout, max_query_len, max_kv_len, num_splits or None, k_scale_cache,
-            k_smooth)
+    launch_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, scale,
+                     causal, (window_left, window_right), softcap, alibi_slopes, alibi_sqrt, sinks,
+                     k_scale, v_scale, layout, max_query_len, max_kv_len, num_splits or None,
+                     k_scale_cache, k_smooth)
 
 
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, *args):
-    return None
-
-
-@torch.library.custom_op("openmla::varlen_attention", mutates_args=("out", "lse"))
-def _varlen_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                         out: torch.Tensor, lse: Optional[torch.Tensor], scale: float,
-                         causal: bool, window_left: int, window_right: int, softcap: float,
-                         alibi_slopes: Optional[torch.Tensor], alibi_sqrt: bool,
-                         sinks: Optional[torch.Tensor], max_query_len: int, max_kv_len: int
-                         ) -> None:
-    _launch(q, k, v, None, cu_seqlens_q, cu_seqlens_k, out, lse, scale, causal,
-            (window_left, window_right), softcap, alibi_slopes, alibi_sqrt, sinks, None, None,
-            "NHD", max_query_len, max_kv_len, None, None, None)
-
-
-@_varlen_attention_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, *args):
     return None
 
 
@@ -663,7 +646,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, *args):
 _Q_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _check_options(q, H, scale, window, softcap, alibi_slopes, sinks):
+def check_attention_options(q, H, scale, window, softcap, alibi_slopes, sinks):
     scale = float(scale)
     if not math.isfinite(scale):
         fail("scale", "a finite float", scale)
@@ -698,7 +681,7 @@ def _check_fp8_scales(k_scale, v_scale, k_scale_cache, cache_dtype, device):
     return scales
 
 
-def _check_q_out(q, out, return_lse):
+def check_q_out(q, out, return_lse):
     check_tensor("q", q, dtype=_Q_DTYPES, ndim=3, last_dim_contiguous=True)
     T, H, D = q.shape
     if not 1 <= D <= MAX_HEAD_DIM:
@@ -711,7 +694,7 @@ def _check_q_out(q, out, return_lse):
     return out, lse
 
 
-def _max_query_len(max_query_len, cu_seqlens_q, T, R):
+def query_len_bound(max_query_len, cu_seqlens_q, T, R):
     """A python int bounding every query length (only picks tile shapes and splits)."""
     if max_query_len is not None:
         if not (isinstance(max_query_len, int) and max_query_len >= 0):
@@ -791,7 +774,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out [T, H, D] in q's dtype; with return_lse also lse [T, H] fp32 natural log.
         An all-masked row gives out = 0 and lse = -inf (lse = sinks[h] with sinks).
     """
-    out, lse = _check_q_out(q, out, return_lse)
+    out, lse = check_q_out(q, out, return_lse)
     T, H, D = q.shape
     if layout not in LAYOUTS:
         fail("layout", "'NHD' or 'HND'", repr(layout))
@@ -810,7 +793,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     R, M = block_table.shape
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(R + 1,), contiguous=True)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(R,), contiguous=True)
-    scale, window, softcap = _check_options(q, H, scale, window, softcap, alibi_slopes, sinks)
+    scale, window, softcap = check_attention_options(q, H, scale, window, softcap, alibi_slopes,
+                                                     sinks)
     if k_int8:
         if D % 8:
             raise NotImplementedError(f"int8 KV caches: head size {D} (supported: multiples of 8)")
@@ -829,58 +813,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                       alibi_slopes=alibi_slopes, sinks=sinks, k_scale=scales[0],
                       v_scale=scales[1], k_scale_cache=k_scale_cache, k_smooth=k_smooth)
     if T > 0:
-        max_q = _max_query_len(max_query_len, cu_seqlens_q, T, R)
+        max_q = query_len_bound(max_query_len, cu_seqlens_q, T, R)
         _paged_attention_op(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse,
                             scale, bool(causal), window[0], window[1], softcap, alibi_slopes,
                             bool(alibi_sqrt), sinks, scales[0], scales[1], layout, max_q,
                             M * page, num_splits or 0, k_scale_cache, k_smooth)
-    return (out, lse) if return_lse else out
-
-
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, scale: float,
-                     causal: bool = False, window: tuple = (-1, -1), softcap: float = 0.0,
-                     alibi_slopes: Optional[torch.Tensor] = None, alibi_sqrt: bool = False,
-                     sinks: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                     return_lse: bool = False, max_query_len: Optional[int] = None,
-                     max_kv_len: Optional[int] = None):
-    """Varlen attention over contiguous keys and values, no cache (encoder attention).
-
-    The kernel of `paged_attention` with keys of request r read from rows
-    cu_seqlens_k[r]:cu_seqlens_k[r+1] of k and v.
-
-    Args:
-        q: [Tq, H, D] bf16/fp16, last dim contiguous, D in 1..256.
-        k, v: [Tk, H_kv, D] in q's dtype, last dim contiguous; H % H_kv == 0.
-        cu_seqlens_q, cu_seqlens_k: [R + 1] int32 row offsets of each request in q and in k/v.
-        scale, window, softcap, alibi_slopes (+ alibi_sqrt), sinks, out, return_lse: as in
-            `paged_attention`, with context_len = k_len - q_len (bottom-right aligned).
-        causal: False by default (encoder attention).
-        max_query_len: as in `paged_attention`.
-        max_kv_len: optional python int >= every key length; only bounds the split count of
-            short queries (None: Tk).
-
-    Returns out [Tq, H, D] in q's dtype (and lse [Tq, H] fp32 with return_lse).
-    """
-    out, lse = _check_q_out(q, out, return_lse)
-    T, H, D = q.shape
-    check_tensor("k", k, dtype=q.dtype, shape=(None, None, D), last_dim_contiguous=True)
-    H_kv = k.shape[1]
-    if H_kv == 0 or H % H_kv:
-        fail("k.shape[1] (H_kv)", f"a divisor of H = {H}", H_kv)
-    check_tensor("v", v, dtype=q.dtype, shape=tuple(k.shape), last_dim_contiguous=True)
-    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, contiguous=True)
-    R = cu_seqlens_q.shape[0] - 1
-    if R < 0:
-        fail("cu_seqlens_q.shape", "(R + 1,) with R >= 0", tuple(cu_seqlens_q.shape))
-    check_tensor("cu_seqlens_k", cu_seqlens_k, dtype=torch.int32, shape=(R + 1,), contiguous=True)
-    scale, window, softcap = _check_options(q, H, scale, window, softcap, alibi_slopes, sinks)
-    check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      out=out, alibi_slopes=alibi_slopes, sinks=sinks)
-    if T > 0:
-        max_q = _max_query_len(max_query_len, cu_seqlens_q, T, R)
-        max_kv = k.shape[0] if max_kv_len is None else int(max_kv_len)
-        _varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, bool(causal),
-                             window[0], window[1], softcap, alibi_slopes, bool(alibi_sqrt),
-                             sinks, max_q, max_kv)
     return (out, lse) if return_lse else out

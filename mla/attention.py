@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 
 from kernels.cascade import cascade_attention
-from kernels.paged_attention import paged_attention, varlen_attention
+from kernels.paged_attention import paged_attention
+from kernels.varlen_attention import varlen_attention
 from mla.attention_plan import (AttentionPlan, AttentionSubPlan, CascadePlan, _int_arg,
                                 build_attention_plan)
 from quant._validate import check_tensor, fail

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention, varlen_attention
+from kernels.paged_attention import paged_attention
+from kernels.varlen_attention import varlen_attention
 from kernels.reference import attention_varlen_ref, paged_attention_ref
 from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, INTERPRET, assert_close
 
