@@ -12,12 +12,13 @@ import math
 import pytest
 import torch
 
+from kernels.cascade import cascade_attention
 from kernels.paged_attention import paged_attention
 from kernels.reference import paged_attention_ref
 from quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
                         quantize_per_token_head_ref)
 from quant.kv_cache import cache_dims, write_kv_cache
-from tests.helpers import DEVICE, GPU_ONLY, INTERPRET, assert_close
+from tests.helpers import DEVICE, GPU_ONLY, INTERPRET, assert_close, paged_batch
 from tests.test_paged_attention import _kv, build
 
 POISON = -128  # never written by the int8 quantizers (they clamp to +-127)
@@ -231,6 +232,19 @@ def test_k_smooth_matches_oracle(mode, seqs, H, H_kv, D, bs, bopts, opts):
     g = torch.Generator().manual_seed(8)
     f = (torch.rand(H_kv, D, generator=g) * 8 + 0.125).to(DEVICE)  # 0.125..8.125, not powers of 2
     run_int8(to_int8(build(seqs, H, H_kv, D, bs, **bopts), mode, k_smooth=f), H, **opts)
+
+
+@pytest.mark.parametrize("mode,smooth", [("int8_qkv", False), ("int8_qk", True)])
+def test_cascade_over_int8_caches(mode, smooth):
+    """cascade_attention passes the int8 scale cache (and smoothing) to both of its passes: the
+    merged result is attention over the whole context."""
+    b = paged_batch([(1, 60), (3, 41), (1, 55)], 8, 2, 64, 16, shared_blocks=2)
+    f = (torch.rand(2, 64, generator=torch.Generator().manual_seed(2)) * 4 + 0.3).to(DEVICE)
+    b = to_int8(b, mode, k_smooth=f if smooth else None)
+    out, lse = cascade_attention(**b, common_prefix_len=32, scale=0.11, return_lse=True)
+    want, want_lse = paged_attention_ref(**b, scale=0.11)
+    assert_close("out", out, want, "bf16")
+    assert_close("lse", lse, want_lse, "fp32")
 
 
 # ---------------------------------------------------------------------------------------------
