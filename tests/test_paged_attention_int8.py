@@ -18,7 +18,7 @@ from kernels.reference import paged_attention_ref
 from quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
                         quantize_per_token_head_ref)
 from quant.kv_cache import cache_dims, write_kv_cache
-from tests.helpers import DEVICE, GPU_ONLY, INTERPRET, assert_close, paged_batch
+from tests.helpers import DEVICE, GPU_ONLY, assert_close, paged_batch
 from tests.test_paged_attention import _kv, build
 
 POISON = -128  # never written by the int8 quantizers (they clamp to +-127)
