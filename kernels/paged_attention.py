@@ -21,11 +21,11 @@ One kernel, `paged_attention_kernel`:
   and only positions < seq_len (and inside that union) are read: block table entries beyond
   the sequence and cache rows outside it are never touched.
 - Every program (prefill and decode alike) splits its keys into interior tiles, seen by every
-  row of the block behind valid block ids, and the masked tiles at the causal diagonal and window edges
-  (FlashAttention's off-band / on-band loops). Interior tiles use no masks and take their block
-  ids from registers loaded one tile ahead, so the compiler's pipeliner issues their K / V
-  copies num_stages - 1 tiles ahead (a block-id load in the same iteration made it wait for
-  every copy at each step: 2.47 ms -> 1.21 ms at 8k tokens on the H200, scratch/paged_perf).
+  row of the block behind valid block ids, and the masked tiles at the causal diagonal and
+  window edges (FlashAttention's off-band / on-band loops). Interior tiles use no masks and take
+  their block ids from registers loaded one tile ahead, so the compiler's pipeliner issues
+  their K / V copies num_stages - 1 tiles ahead (a block-id load in the same iteration made it
+  wait for every copy at each step: 2.47 ms -> 1.21 ms at 8k tokens on the H200).
   Row blocks launch last-first: the most expensive causal blocks start in the first wave.
 - Short queries (decode, speculative decoding) whose grid would underfill the GPU split the key
   range over NUM_SPLITS programs; `paged_attention_reduce_kernel` folds the partial
@@ -171,8 +171,8 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
     nor the scores need a mask.
     K_INT8: b_q is int8 with per-row scales b_qs (softmax scale folded in); the int32 score tile
     is scaled by b_qs per row and by the keys' scales (k-scale cache, p_ks) per column. P.V runs
-    in PV_DT (q's dtype): an int8 V converts exactly and its per-channel scale is the caller's
-    epilogue."""
+    in PV_DT (q's dtype; fp16 for an int8 V, which converts exactly, with V_FAST_CVT by byte
+    permutes); an int8 V's per-channel scale is the caller's epilogue."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         m_n = (o_n >= lo) & (o_n < n_end)

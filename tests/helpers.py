@@ -137,6 +137,15 @@ def prefix_sharing_block_table(nblk: list[int], shared_blocks: int, spare_blocks
 FP8_SCALES = (0.027, 0.019)  # paged_batch's fp8 k_scale, v_scale; stored values are x * 40
 
 
+def put_rows(cache, layout: str, blk, off, rows) -> None:
+    """cache[blk[i], off[i]] = rows[i] (token rows [n, H_kv, D]) in a paged cache laid out as
+    "NHD" [num_blocks, block_size, H_kv, D] or "HND" [num_blocks, H_kv, block_size, D]."""
+    if layout == "NHD":
+        cache[blk, off] = rows
+    else:
+        cache[blk, :, off] = rows
+
+
 def paged_batch(seqs, H, H_kv, D, bs, *, cache="bf16", shared_blocks=0, pad_rows=2,
                 layout="NHD", spare_blocks=3, seed=0):
     """Requests (q_len, kv_len) over NaN-filled paged caches holding all their keys/values.
@@ -170,11 +179,8 @@ def paged_batch(seqs, H, H_kv, D, bs, *, cache="bf16", shared_blocks=0, pad_rows
         if cache == "fp8":
             k, v = k * 40, v * 40
         blk, off = table[r, p // bs].long(), p % bs
-        for cc, x in ((kc, k), (vc, v)):
-            if layout == "NHD":
-                cc[blk, off] = x.to(cdt)
-            else:
-                cc[blk, :, off] = x.to(cdt)
+        put_rows(kc, layout, blk, off, k.to(cdt))
+        put_rows(vc, layout, blk, off, v.to(cdt))
     T = sum(q for q, _ in seqs)
     wide = torch.randn(T + pad_rows, H, D + 24, generator=g)
     q = wide.to(torch.bfloat16).to(DEVICE)[:, :, 8:8 + D]  # strides of a wider tensor

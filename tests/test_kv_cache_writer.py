@@ -5,7 +5,7 @@ import torch
 
 from quant.int8 import quantize_per_channel_ref, quantize_per_token_head_ref
 from quant.kv_cache import quantize_fp8_per_tensor, write_kv_cache
-from tests.helpers import DEVICE, INT32_MAX, INT32_MIN
+from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, put_rows
 
 FP8 = torch.float8_e4m3fn
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}
@@ -67,19 +67,8 @@ def check_write(T, H, D, bs, num_blocks, cache, in_dtype, layout, *, n_skip=2, e
     for name, x, scale, back, old in (("k_cache", key, ks, backs[0], before[0]),
                                       ("v_cache", value, vs, backs[1], before[1])):
         want = old.clone()
-        q = _bits(quantize_ref(x, cdt, scale))
-        for t, s in enumerate(slots.tolist()):
-            if s >= 0:
-                if layout == "NHD":
-                    want[s // bs, s % bs] = q[t]
-                else:
-                    want[s // bs, :, s % bs] = q[t]
-        got = _bits(back)
-        diff = (got != want).nonzero()
-        if diff.numel():
-            i = tuple(diff[0].tolist())
-            raise AssertionError(f"{name}: {len(diff)} elements differ, first at {i}: "
-                                 f"got bits {got[i].item()}, want {want[i].item()}")
+        _place(want, layout, bs, slots.tolist(), _bits(quantize_ref(x, cdt, scale)))
+        _assert_bits(name, _bits(back), want)
 
 
 CASES = [  # (T, H, D, bs, num_blocks, cache, input dtype, layout)
@@ -226,10 +215,7 @@ def _place(want, layout, bs, slots, rows):
     n = want.shape[0] * bs
     for t, s in enumerate(slots):
         if 0 <= s < n:
-            if layout == "NHD":
-                want[s // bs, s % bs] = rows[t]
-            else:
-                want[s // bs, :, s % bs] = rows[t]
+            put_rows(want, layout, s // bs, s % bs, rows[t])
 
 
 def _assert_bits(name, got, want):

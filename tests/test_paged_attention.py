@@ -17,7 +17,7 @@ import torch
 from kernels.paged_attention import paged_attention
 from kernels.varlen_attention import varlen_attention
 from kernels.reference import attention_varlen_ref, paged_attention_ref
-from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, INTERPRET, assert_close
+from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, INTERPRET, assert_close, put_rows
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,11 +83,8 @@ def build(seqs, H, H_kv, D, bs, *, dtype="bf16", cache="same", layout="NHD", pad
         v = torch.randn(kv, H_kv, D, generator=g).to(DEVICE)
         if cache == "fp8":  # values spread over the e4m3 range before the per-tensor scale
             k, v = k * 40, v * 40
-        for cc, x in ((kc, k), (vc, v)):
-            if layout == "NHD":
-                cc[blk, off] = x.to(cdt)
-            else:
-                cc[blk, :, off] = x.to(cdt)
+        put_rows(kc, layout, blk, off, k.to(cdt))
+        put_rows(vc, layout, blk, off, v.to(cdt))
     T = sum(q for q, _ in seqs)
     wide = torch.randn(T + pad_rows, H, D + 24, generator=g) * q_mult
     q = wide.to(qdt).to(DEVICE)[:, :, 8:8 + D]  # token and head strides of a wider tensor
