@@ -162,20 +162,29 @@ def int8_quantize_rows(b_x, SCALE_FLOOR: tl.constexpr):
 
 
 @triton.jit
+def _load_token_heads(x_ptr, stride_xt, stride_xh, stride_xd, H, D,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's [BLOCK_H, BLOCK_D] tile of x[token, heads, :] (program ids: token, head
+    block) as fp32, with its token, offsets and mask. Masked entries load as 0: they cannot
+    change an abs-max."""
+    i_t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_x = (o_h < H)[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(x_ptr + i_t * stride_xt + o_h[:, None].to(tl.int64) * stride_xh
+                  + o_d[None, :].to(tl.int64) * stride_xd, mask=m_x, other=0.0).to(tl.float32)
+    return i_t, o_h, o_d, m_x, b_x
+
+
+@triton.jit
 def quantize_per_token_head_kernel(
     x_ptr, q_ptr, scale_ptr,
     stride_xt, stride_xh, stride_xd,
     H, D,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SCALE_FLOOR: tl.constexpr,
 ):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    o_d = tl.arange(0, BLOCK_D)
-    m_x = (o_h < H)[:, None] & (o_d < D)[None, :]
-    # Masked entries load as 0: they cannot change an abs-max.
-    b_x = tl.load(x_ptr + i_t * stride_xt + o_h[:, None].to(tl.int64) * stride_xh
-                  + o_d[None, :].to(tl.int64) * stride_xd, mask=m_x, other=0.0).to(tl.float32)
+    i_t, o_h, o_d, m_x, b_x = _load_token_heads(x_ptr, stride_xt, stride_xh, stride_xd, H, D,
+                                                BLOCK_H, BLOCK_D)
     b_q, b_scale = int8_quantize_rows(b_x, SCALE_FLOOR)
     tl.store(q_ptr + (i_t * H + o_h[:, None]) * D + o_d[None, :], b_q, mask=m_x)
     tl.store(scale_ptr + i_t * H + o_h, b_scale, mask=o_h < H)
@@ -188,13 +197,8 @@ def quantize_per_channel_kernel(
     H, D,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    o_d = tl.arange(0, BLOCK_D)
-    m_x = (o_h < H)[:, None] & (o_d < D)[None, :]
-    b_x = tl.load(x_ptr + i_t * stride_xt + o_h[:, None].to(tl.int64) * stride_xh
-                  + o_d[None, :].to(tl.int64) * stride_xd, mask=m_x, other=0.0).to(tl.float32)
+    i_t, o_h, o_d, m_x, b_x = _load_token_heads(x_ptr, stride_xt, stride_xh, stride_xd, H, D,
+                                                BLOCK_H, BLOCK_D)
     # other=1: masked lanes divide by 1, never by 0 (their results are not stored anyway).
     b_s = tl.load(scale_ptr + o_h[:, None] * stride_sh + o_d[None, :] * stride_sd, mask=m_x, other=1.0)
     b_q = int8_quantize_with_scale(b_x, b_s)
