@@ -31,6 +31,11 @@ One kernel, `paged_attention_kernel`:
   range over NUM_SPLITS programs; `paged_attention_reduce_kernel` folds the partial
   (out, lse) pairs with `kernels.merge.merge_step`. The split count is chosen on the host from
   shapes and the SM count: the decode path reads no device tensor on the host.
+- Short queries may run as key streams (autotune config STREAMS = warps): each warp takes its
+  own BLOCK_N / STREAMS keys of every tile and keeps its own online softmax (3-D dots with the
+  warps on the batch dimension), so no tile needs a cross-warp row max / sum or P through shared
+  memory; the streams merge once per program. With 16 rows and GQA 4, the one-stream layout
+  spends its time in those per-tile exchanges (ncu, int8_qkv decode on the H200).
 - int8 caches (int8_qkv / int8_qk): q is quantized per row in the kernel, Q.K is an int8 dot
   scaled by s_q * s_k per score, and an int8 V enters the P.V dot as fp16 (converted exactly,
   on NVIDIA with byte permutes instead of quarter-rate I2F), its per-channel scale applied to
@@ -81,9 +86,9 @@ _INT8_FLOOR = tl.constexpr(INT8_SCALE_FLOOR)
 # ---------------------------------------------------------------------------------------------
 # Autotune configs
 # ---------------------------------------------------------------------------------------------
-def _config(bm, bn, w, s, maxnreg=None):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s,
-                         maxnreg=maxnreg)
+def _config(bm, bn, w, s, maxnreg=None, streams=0):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "STREAMS": streams}, num_warps=w,
+                         num_stages=s, maxnreg=maxnreg)
 
 
 # Sound defaults first (the first survivor of pruning is what runs without benchmarking), then
@@ -99,6 +104,11 @@ _CONFIGS = [_config(*c) for c in _DEFAULTS] + [
     # int8 decode: capping the 128-key kernel at 168 registers (from 255) measured 3% faster at
     # batch 32 / 128, 32k context on the H200 (int8-only: see _prune).
     _config(16, 128, 4, 3, maxnreg=168),
+] + [
+    # Short queries, one key stream per warp (see the kernel), BLOCK_N / 4 keys per warp and
+    # tile. H200, int8_qkv decode at 32k: BLOCK_N 128 0.547 / 2.20 ms at batch 32 / 128 (one
+    # stream per program: 0.605 / 2.41); 2-warp programs were slower (0.80 / 2.71 ms).
+    _config(16, bn, 4, 3, streams=4) for bn in (64, 128)
 ]
 # OPENMLA_AUTOTUNE=0: no benchmarking, every launch takes the first config its pruning keeps
 # (one compile per shape class instead of one per config: GPU test runs, quick experiments).
@@ -115,6 +125,14 @@ def _prune(configs, named_args, **kwargs):
         # Register caps were measured for the int8 decode kernels only.
         if c.maxnreg is not None and not (kwargs["K_INT8"] or kwargs["V_INT8"]):
             continue
+        streams = c.kwargs["STREAMS"]
+        if streams:
+            # One stream per warp, for short queries (their programs hold one row block), with
+            # >= 16 keys per stream and tile (the P.V dot's k) and at most 64 accumulator values
+            # per thread (each warp holds all [BLOCK_M, D] of its stream: D <= 128 at 16 rows;
+            # this replaces the register rule below, which assumes warps share the accumulator).
+            if not want_m or streams != w or bn // streams < 16 or bm * d / 32 > 64:
+                continue
         # Short queries: the host sized the grid and the split count for this BLOCK_M.
         if want_m and bm != want_m:
             continue
@@ -133,7 +151,7 @@ def _prune(configs, named_args, **kwargs):
         if not want_m and not (kwargs["IS_FP8"] or kwargs["K_INT8"] or kwargs["V_INT8"]):
             if (bm * d + bm * bn) / (32 * w) > 144:
                 continue
-        elif (bm * d + bm * bn + bn * d) / (32 * w) > 176:
+        elif not streams and (bm * d + bm * bn + bn * d) / (32 * w) > 176:
             continue
         # Shared memory: q plus `s` stages of K and V tiles (2-byte operands); the compiler's
         # reduction scratch reuses that space (D=128 128x128 at 3 stages compiles to 224 KB).
@@ -172,7 +190,7 @@ def _int8_to_fp16_ptx(x):
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_qpos,
+def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n_end, o_qpos,
                  context_len, b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS,
                  kv_start, s_kb, s_kt, s_vb, s_vt, o_d, m_d, b_qs, p_ks, s_kscb, s_ksct,
                  K_INT8: tl.constexpr, PV_DT: tl.constexpr, V_FAST_CVT: tl.constexpr,
@@ -182,6 +200,10 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
                  ALIBI_SQRT: tl.constexpr, IS_FP8: tl.constexpr, KV_SAME: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     """One BLOCK_N key tile (starting at n0, a multiple of BLOCK_N) of the online softmax.
+    Rank-generic: keys n0 + o_tile, with o_tile [BLOCK_N] (one stream: acc [M, D], m_i / l_i
+    [M], b_q [M, D]) or [S, BLOCK_N / S] (S key streams, one per warp: acc [S, M, D], m_i / l_i
+    [S, M], b_q broadcast to [S, M, D]). Per-row operands (o_qpos, b_qs, b_slope) come as
+    columns that broadcast against the score tile ([M, 1] or [1, M, 1]).
     MASKED=False is an interior tile: every key is < seq_len, inside every row's causal / window
     bounds and behind a valid block id (b_blk_in, loaded by the caller), so neither the loads
     nor the scores need a mask.
@@ -189,7 +211,8 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
     is scaled by b_qs per row and by the keys' scales (k-scale cache, p_ks) per column. P.V runs
     in PV_DT (q's dtype; fp16 for an int8 V, which converts exactly, with V_FAST_CVT by byte
     permutes); an int8 V's per-channel scale is the caller's epilogue."""
-    o_n = n0 + tl.arange(0, BLOCK_N)
+    o_n = n0 + o_tile
+    o_nc = tl.expand_dims(o_n, -2)  # keys as columns of the score tile
     if MASKED:
         m_n = (o_n >= lo) & (o_n < n_end)
     if IS_PAGED:
@@ -203,7 +226,7 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
         if (not MASKED) and (BLOCK_N % PAGE_SIZE == 0):
             # Tiles start at multiples of BLOCK_N, so a row's offset in its page is fixed: the
             # compiler hoists it and the loop keeps one 64-bit multiply-add per row.
-            o_pin = tl.arange(0, BLOCK_N) % PAGE_SIZE
+            o_pin = o_tile % PAGE_SIZE
         else:
             o_pin = o_n % PAGE_SIZE
         if MASKED:
@@ -226,13 +249,13 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
         else:
             o_vr = (kv_start + o_n) * s_vt
     if MASKED:
-        m_nd = m_n[:, None] & m_d[None, :]
+        m_nd = tl.expand_dims(m_n, -1) & m_d
     else:
-        m_nd = m_d[None, :]
+        m_nd = m_d
     if MASKED or HEAD_DIM != BLOCK_D:
-        b_k = tl.load(p_k + o_kr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+        b_k = tl.load(p_k + tl.expand_dims(o_kr, -1) + o_d, mask=m_nd, other=0.0)
     else:
-        b_k = tl.load(p_k + o_kr[:, None] + o_d[None, :])
+        b_k = tl.load(p_k + tl.expand_dims(o_kr, -1) + o_d)
     if K_INT8:
         b_s = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32).to(tl.float32)
         # Scales of this tile's keys: [num_blocks, H_kv, block_size] rows at the keys' slots.
@@ -240,7 +263,7 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
             b_ks = tl.load(p_ks + b_blk * s_kscb + o_pin * s_ksct, mask=m_n, other=0.0)
         else:
             b_ks = tl.load(p_ks + b_blk * s_kscb + o_pin * s_ksct)
-        b_s = b_s * b_qs[:, None] * b_ks[None, :]
+        b_s = b_s * b_qs * tl.expand_dims(b_ks, -2)
     else:
         b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or IS_FP8 or K_INT8:
@@ -249,41 +272,60 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, lo, n_end, o_
         if HAS_SOFTCAP:
             b_s = softcap2 * libdevice.tanh(b_s / softcap2)
         if MASKED:
-            m_s = m_n[None, :]
+            m_s = tl.expand_dims(m_n, -2)
             if CAUSAL:
-                m_s = m_s & (o_n[None, :] <= o_qpos[:, None])
+                m_s = m_s & (o_nc <= o_qpos)
             if HAS_WINDOW:
-                m_s = m_s & ((win_left < 0) | (o_n[None, :] >= o_qpos[:, None] - win_left))
-                m_s = m_s & ((win_right < 0) | (o_n[None, :] <= o_qpos[:, None] + win_right))
+                m_s = m_s & ((win_left < 0) | (o_nc >= o_qpos - win_left))
+                m_s = m_s & ((win_right < 0) | (o_nc <= o_qpos + win_right))
             b_s = tl.where(m_s, b_s, float("-inf"))
         if HAS_ALIBI:
             if ALIBI_SQRT:
-                b_dist = (o_qpos[:, None] - o_n[None, :]).to(tl.float32)
+                b_dist = (o_qpos - o_nc).to(tl.float32)
                 b_bias = tl.where(b_dist >= 0, -tl.sqrt(tl.maximum(b_dist, 0.0)), 0.0)
             else:
-                b_bias = (o_n - context_len).to(tl.float32)[None, :]
-            b_s = b_s + b_slope[:, None] * b_bias
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+                b_bias = (o_nc - context_len).to(tl.float32)
+            b_s = b_s + b_slope * b_bias
+        m_new = tl.maximum(m_i, tl.max(b_s, -1))
         # A row with nothing counted yet keeps max -inf; shift by 0 there so no inf - inf appears.
         m_sh = tl.where(m_new == float("-inf"), 0.0, m_new)
-        b_p = tl.exp2(b_s - m_sh[:, None])
+        b_p = tl.exp2(b_s - tl.expand_dims(m_sh, -1))
     else:
         # qk_scale >= 0 (for scale < 0 the kernel negated q), so max(s) * scale = max(s * scale)
         # and the scaling folds into one fma per score (fp8 takes the branch above: its scale
         # also holds k_scale, a device value). Every row sees every key: m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(b_s, -1) * qk_scale)
         m_sh = m_new
-        b_p = tl.exp2(b_s * qk_scale - m_sh[:, None])
+        b_p = tl.exp2(b_s * qk_scale - tl.expand_dims(m_sh, -1))
     alpha = tl.exp2(m_i - m_sh)
-    l_i = l_i * alpha + tl.sum(b_p, 1)
+    l_i = l_i * alpha + tl.sum(b_p, -1)
     if MASKED or HEAD_DIM != BLOCK_D:
-        b_v = tl.load(p_v + o_vr[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+        b_v = tl.load(p_v + tl.expand_dims(o_vr, -1) + o_d, mask=m_nd, other=0.0)
     else:
-        b_v = tl.load(p_v + o_vr[:, None] + o_d[None, :])
+        b_v = tl.load(p_v + tl.expand_dims(o_vr, -1) + o_d)
     if V_FAST_CVT:
         b_v = _int8_to_fp16_ptx(b_v)
-    acc = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), acc * alpha[:, None])
+    acc = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), acc * tl.expand_dims(alpha, -1))
     return acc, m_new, l_i
+
+
+@triton.jit
+def _rows(x, STREAMS: tl.constexpr):
+    """A per-row vector [M] as a column of the score tile: [M, 1], or [1, M, 1] with streams."""
+    if STREAMS:
+        y = x[None, :, None]
+    else:
+        y = x[:, None]
+    return y
+
+
+@triton.jit
+def _merge_streams(acc, m_i, l_i):
+    """Fold S key streams (acc [S, M, D], m_i / l_i [S, M], log2 domain) into one."""
+    m_all = tl.max(m_i, 0)
+    m_sh = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m_i - m_sh[None, :])
+    return tl.sum(acc * w[:, :, None], 0), m_all, tl.sum(l_i * w, 0)
 
 
 @triton.autotune(configs=_CONFIGS,
@@ -304,7 +346,7 @@ def paged_attention_kernel(
     HAS_ALIBI: tl.constexpr, ALIBI_SQRT: tl.constexpr, HAS_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, NEG_Q: tl.constexpr,
     KV_SAME: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, V_FAST_CVT: tl.constexpr,
-    K_SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STREAMS: tl.constexpr,
 ):
     i_qb = tl.program_id(0)
     if BLOCK_M_WANT == 0:
@@ -408,6 +450,25 @@ def paged_attention_kernel(
             m_i = tl.load(sink_ptr + o_h, mask=m_m, other=0.0).to(tl.float32) * 1.4426950408889634
             l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Row operands as columns of the score tile.
+    o_qpos_r = _rows(o_qpos, STREAMS)
+    if K_INT8:
+        b_qs = _rows(b_qs, STREAMS)
+    if HAS_ALIBI:
+        b_slope = _rows(b_slope, STREAMS)
+    if STREAMS:
+        # STREAMS key streams, one per warp: key j of a BLOCK_N tile goes to stream
+        # j // (BLOCK_N / STREAMS). Each warp keeps its own softmax over its keys (3-D dots, warps
+        # on the batch dim), so no tile needs a cross-warp reduction or P through shared memory;
+        # the streams merge once after the loops. The sink starts stream 0 only.
+        o_s = tl.arange(0, STREAMS)[:, None]
+        o_nn = o_s * (BLOCK_N // STREAMS) + tl.arange(0, BLOCK_N // STREAMS)[None, :]
+        b_q = tl.broadcast_to(b_q[None, :, :], (STREAMS, BLOCK_M, BLOCK_D))
+        m_i = tl.where(o_s == 0, m_i[None, :], float("-inf"))
+        l_i = tl.where(o_s == 0, l_i[None, :], 0.0)
+        acc = tl.zeros([STREAMS, BLOCK_M, BLOCK_D], tl.float32)
+    else:
+        o_nn = tl.arange(0, BLOCK_N)
 
     p_k = k_ptr + i_kvh * s_kh
     p_v = v_ptr + i_kvh * s_vh
@@ -449,10 +510,9 @@ def paged_attention_kernel(
     # The block ids of the next interior tile are loaded one step ahead into registers: the
     # K / V copies then depend on no load of their own iteration, and the pipeliner can
     # issue them num_stages - 1 tiles ahead.
-    o_nn = tl.arange(0, BLOCK_N)
     if BLOCK_N % PAGE_SIZE == 0:  # row o_nn of tile n0 sits in page n0 // PAGE + o_nn // PAGE
         o_npg = o_nn // PAGE_SIZE
-    b_blk_nx = tl.zeros([BLOCK_N], tl.int32)
+    b_blk_nx = tl.zeros_like(o_nn)
     if IS_PAGED:
         b_blk_nx = tl.load(p_bt + (n_in + o_nn) // PAGE_SIZE, mask=n_in + o_nn < n_out,
                            other=0)
@@ -467,7 +527,7 @@ def paged_attention_kernel(
                 o_nx = n0 + BLOCK_N + o_nn
                 b_blk_nx = tl.load(p_bt + o_nx // PAGE_SIZE, mask=o_nx < n_out, other=0)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk, n0, lo, n_end, o_qpos, context_len,
+            acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk, n0, o_nn, lo, n_end, o_qpos_r, context_len,
             b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
             s_kb, s_kt, s_vb, s_vt, o_d, m_d, b_qs, p_ks, s_kscb, s_ksct, K_INT8, PV_DT,
             V_FAST_CVT, False, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
@@ -478,11 +538,13 @@ def paged_attention_kernel(
     for i_n in range(0, n_tiles):
         n0 = tl.where(i_n < n_head, n_start + i_n * BLOCK_N, n_out + (i_n - n_head) * BLOCK_N)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, b_q, p_k, p_v, p_bt, 0, n0, lo, n_end, o_qpos, context_len,
+            acc, m_i, l_i, b_q, p_k, p_v, p_bt, 0, n0, o_nn, lo, n_end, o_qpos_r, context_len,
             b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
             s_kb, s_kt, s_vb, s_vt, o_d, m_d, b_qs, p_ks, s_kscb, s_ksct, K_INT8, PV_DT,
             V_FAST_CVT, True, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
             CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N)
+    if STREAMS:
+        acc, m_i, l_i = _merge_streams(acc, m_i, l_i)
 
     if IS_FP8:
         acc = acc * tl.load(v_scale_ptr)

@@ -202,21 +202,27 @@ def test_split_kv_more_splits_than_tiles():
     run_case(build([(2, 5), (1, 40)], 4, 2, 64, 16), 4, num_splits=7, window=(3, 0))
 
 
-TILES = [(16, 32, 4, 2), (16, 128, 4, 3), (32, 64, 4, 2), (64, 32, 8, 2), (128, 128, 8, 2)]
+# (BLOCK_M, BLOCK_N, warps, stages, key streams)
+TILES = [(16, 32, 4, 2, 0), (16, 128, 4, 3, 0), (32, 64, 4, 2, 0), (64, 32, 8, 2, 0),
+         (128, 128, 8, 2, 0), (16, 64, 2, 3, 2), (16, 128, 4, 3, 4)]
 
 
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: "BM{}-BN{}-w{}-s{}".format(*t))
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "BM{}-BN{}-w{}-s{}-streams{}".format(*t))
 def test_every_tile_shape(tile, monkeypatch):
     """Autotuning may pick any config (the interpreter always takes the first): each tile shape
     must give the same answer on a mixed batch and on a split decode batch."""
     import kernels.paged_attention as pa
-    bm, bn, w, s = tile
-    cfg = pa.triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    bm, bn, w, s, streams = tile
+    cfg = pa._config(bm, bn, w, s, streams=streams)
     monkeypatch.setattr(pa.paged_attention_kernel, "configs", [cfg])  # one config: no tuning
     mixed = build([(1, _kv(300)), (5, 18), (70, 150)], 8, 2, 80, 16)
     run_case(mixed, 8, window=(99, 0), sinks=True)
     decode = build([(1, _kv(400)), (2, 70)], 8, 2, 64, 16)
     run_case(decode, 8, num_splits=3, softcap=20.0)
+    # Short queries with every score option (streams: masked tiles at both window edges, the sink
+    # counted once across streams, a page size that does not divide the tile).
+    spec = build([(3, _kv(333)), (1, 45), (2, 2)], 6, 3, 80, 24)
+    run_case(spec, 6, window=(150, 0), sinks=True, alibi=True, alibi_sqrt=True, num_splits=2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -234,6 +234,32 @@ def test_k_smooth_matches_oracle(mode, seqs, H, H_kv, D, bs, bopts, opts):
     run_int8(to_int8(build(seqs, H, H_kv, D, bs, **bopts), mode, k_smooth=f), H, **opts)
 
 
+STREAM_CASES = [  # short queries, the class whose autotuning may pick key streams
+    pytest.param([(1, 900), (1, 37), (1, 1)], 8, 2, 128, 16, {}, {"num_splits": 3},
+                 id="decode-gqa4-D128-split3"),
+    pytest.param([(4, 300), (1, 90)], 8, 8, 64, 16, {"layout": "HND"}, {"sinks": True},
+                 id="spec4-mha-HND-sinks"),
+    pytest.param([(3, 120)], 6, 3, 40, 61, {}, {"window": (50, 0)}, id="D40-bs61-window"),
+    pytest.param([(6, 3), (1, 20)], 4, 2, 64, 16, {}, {"scale": -0.09}, id="masked-rows-neg-scale"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("streams,bn", [(2, 64), (4, 128)], ids=["streams2-BN64", "streams4-BN128"])
+@pytest.mark.parametrize("seqs,H,H_kv,D,bs,bopts,opts", STREAM_CASES)
+def test_key_streams_match_oracle(mode, streams, bn, seqs, H, H_kv, D, bs, bopts, opts,
+                                  monkeypatch):
+    """One key stream per warp (the int8 decode configs' layout), with K smoothing: the same
+    answers as the oracle."""
+    import kernels.paged_attention as pa
+    cfg = pa._config(16, bn, streams, 3, streams=streams)
+    monkeypatch.setattr(pa.paged_attention_kernel, "configs", [cfg])  # one config: no tuning
+    seqs = [(q, _kv(kv)) for q, kv in seqs]
+    f = (torch.rand(H_kv, D, generator=torch.Generator().manual_seed(9)) * 4 + 0.3).to(DEVICE)
+    run_int8(to_int8(build(seqs, H, H_kv, D, bs, **bopts), mode, k_smooth=f), H, **opts)
+    assert pa.paged_attention_kernel.best_config.kwargs["STREAMS"] == streams
+
+
 @pytest.mark.parametrize("mode,smooth", [("int8_qkv", False), ("int8_qk", True)])
 def test_cascade_over_int8_caches(mode, smooth):
     """cascade_attention passes the int8 scale cache (and smoothing) to both of its passes: the
