@@ -375,8 +375,13 @@ VARLEN = [  # (q_lens, k_lens, H, H_kv, D, options)
 ]
 
 
+@pytest.mark.parametrize("streams", [0, 4], ids=["autotuned", "key-streams"])
 @pytest.mark.parametrize("q_lens,k_lens,H,H_kv,D,opts", VARLEN)
-def test_varlen(q_lens, k_lens, H, H_kv, D, opts):
+def test_varlen(q_lens, k_lens, H, H_kv, D, opts, streams, monkeypatch):
+    if streams:  # pin the key-stream layout (contiguous k / v rows instead of pages)
+        import kernels.paged_attention as pa
+        monkeypatch.setattr(pa.paged_attention_kernel, "configs",
+                            [pa._config(16, 64, streams, 3, streams=streams)])
     g = torch.Generator().manual_seed(2)
     Tq, Tk = sum(q_lens), sum(k_lens)
     q = torch.randn(Tq + 2, H, D + 8, generator=g).bfloat16().to(DEVICE)[:, :, :D]
