@@ -310,6 +310,22 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
 
 
 @triton.jit
+def _key_bounds(lo, hi, context_len, tq_lo, tq_hi, win_left, win_right, CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr):
+    """[lo, hi) narrowed to the keys that query token tq_lo may see from below and tq_hi from
+    above (causal and window bounds). tq_lo = first, tq_hi = last token of a row block: the keys
+    some row sees; tq_lo = last, tq_hi = first: the keys every row sees."""
+    if CAUSAL:
+        hi = tl.minimum(hi, context_len + tq_hi + 1)
+    if HAS_WINDOW:
+        if win_left >= 0:
+            lo = tl.maximum(lo, context_len + tq_lo - win_left)
+        if win_right >= 0:
+            hi = tl.minimum(hi, context_len + tq_hi + win_right + 1)
+    return lo, hi
+
+
+@triton.jit
 def _rows(x, STREAMS: tl.constexpr):
     """A per-row vector [M] as a column of the score tile: [M, 1], or [1, M, 1] with streams."""
     if STREAMS:
@@ -395,16 +411,9 @@ def paged_attention_kernel(
     # Keys any row of this block may see: [lo, hi).
     tq_first = row0 // GQA
     tq_last = (tl.minimum(row0 + BLOCK_M, q_rows) - 1) // GQA
-    lo = tl.zeros([], tl.int32)
     # A seq_len past the block table (or past k / v) is a caller bug: never read beyond them.
-    hi = tl.minimum(seq_len, kv_cap)
-    if CAUSAL:
-        hi = tl.minimum(hi, context_len + tq_last + 1)
-    if HAS_WINDOW:
-        if win_left >= 0:
-            lo = tl.maximum(lo, context_len + tq_first - win_left)
-        if win_right >= 0:
-            hi = tl.minimum(hi, context_len + tq_last + win_right + 1)
+    lo, hi = _key_bounds(tl.zeros([], tl.int32), tl.minimum(seq_len, kv_cap), context_len,
+                         tq_first, tq_last, win_left, win_right, CAUSAL, HAS_WINDOW)
     # This split's share, whole BLOCK_N tiles from a tile-aligned start.
     lo_al = lo // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo_al, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -482,16 +491,10 @@ def paged_attention_kernel(
     # them within [n_start, n_end) are masked. Decode takes the same two loops: a split of a long
     # context is almost all interior tiles, whose K / V copies then pipeline (H200, int8_qkv
     # decode at 32k, batch 32: 0.91 -> 0.75 ms; bf16 unchanged).
-    # Keys every row of the block sees: [full_lo, full_hi).
-    full_lo = lo
-    full_hi = n_end
-    if CAUSAL:
-        full_hi = tl.minimum(full_hi, context_len + tq_first + 1)
-    if HAS_WINDOW:
-        if win_left >= 0:
-            full_lo = tl.maximum(full_lo, context_len + tq_last - win_left)
-        if win_right >= 0:
-            full_hi = tl.minimum(full_hi, context_len + tq_first + win_right + 1)
+    # Keys every row of the block sees: [full_lo, full_hi) (the bounds of its last query token
+    # from below, of its first from above).
+    full_lo, full_hi = _key_bounds(lo, n_end, context_len, tq_last, tq_first, win_left,
+                                   win_right, CAUSAL, HAS_WINDOW)
     n_grid_end = n_start + tl.cdiv(tl.maximum(n_end - n_start, 0), BLOCK_N) * BLOCK_N
     n_in = tl.minimum(n_start + tl.cdiv(tl.maximum(full_lo - n_start, 0), BLOCK_N) * BLOCK_N,
                       n_grid_end)
