@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import _sparse_mla_prefill_sm90 as _sm90
 from quant._validate import check_same_device, check_tensor, fail
 from quant.mla_formats import BF16_MLA
 
@@ -227,6 +228,10 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink):
     if T == 0 or H == 0:
         return out, max_logits, lse
     block_h = _block_h(H)
+    if block_h == _sm90.BLOCK_H and _sm90.usable(q, kv):
+        _sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
+                     D_LAT, D_ROPE)
+        return out, max_logits, lse
     num_hb = triton.cdiv(H, block_h)
     # Unused pointer arguments get a tensor of the right kind; the kernel never reads them.
     len_arg = topk_length if topk_length is not None else indices

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kernels import _sparse_mla_prefill_sm90 as sm90
 from kernels.reference import sparse_mla_ref
 from kernels.sparse_mla_prefill import sparse_mla_prefill
 from tests.helpers import DEVICE, GPU_ONLY, assert_close, invalid_indices
@@ -169,6 +170,8 @@ LAYOUT_AND_SCALE = [
     pytest.param(Case(T=3, H=16, topk=50, row_stride=640, q_heads_stride=3),
                  id="T3-H16-topk50-kvstride640-qstrided"),
     pytest.param(Case(T=2, H=64, topk=128, row_stride=600, invalid=0.2), id="T2-H64-topk128-kvstride600"),
+    # rows not on 16 bytes: the Triton kernel serves them on Hopper too
+    pytest.param(Case(T=5, H=64, topk=200, N=900, row_stride=580), id="T5-H64-topk200-kvstride580"),
     pytest.param(Case(T=64, H=128, topk=2048, N=8000, row_stride=656, scale=0.3, invalid=0.1),
                  id="T64-H128-topk2048-kvstride656-scale0.3", marks=GPU_ONLY),
 ]
@@ -177,6 +180,81 @@ LAYOUT_AND_SCALE = [
 @pytest.mark.parametrize("case", LAYOUT_AND_SCALE)
 def test_scale_and_strides(case, request):
     check(case, request)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two kernels serve 64-head blocks: the Gluon one on Hopper (every test above runs it there for
+# H > 32) and the Triton one everywhere else. On Hopper, run the Triton one here too.
+SM90_ONLY = pytest.mark.skipif(DEVICE == "cpu" or not sm90.available(torch.device(DEVICE)),
+                               reason="off Hopper the Triton kernel is the only path, and the tests "
+                                      "above already run it")
+TRITON_PATH = [
+    pytest.param(Case(T=33, H=128, topk=1000, N=5000), id="T33-H128-topk1000"),
+    pytest.param(Case(T=32, H=64, topk=2048, N=8000, invalid=0.3), id="T32-H64-topk2048-invalid"),
+    pytest.param(Case(T=9, H=100, topk=300, N=3000, invalid=0.2, lengths=True, sink=True),
+                 id="T9-H100-topk300-lengths-sink"),
+]
+
+
+@SM90_ONLY
+@pytest.mark.parametrize("case", TRITON_PATH)
+def test_triton_kernel_on_hopper(case, request, monkeypatch):
+    monkeypatch.setenv("OPENMLA_SM90_GLUON", "0")
+    assert not sm90.available(torch.device(DEVICE))
+    check(case, request)
+
+
+_COMPILE_SM90 = """
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import _sparse_mla_prefill_sm90 as sm90
+fn = sm90.sparse_mla_prefill_sm90_kernel
+const = dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=64,
+             BLOCK_H=sm90.BLOCK_H, BLOCK_N=sm90.BLOCK_N)
+ptrs = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"]
+sig, attrs = {}, {}
+for i, name in enumerate(fn.arg_names):
+    if name in const:
+        sig[name] = "constexpr"
+    elif i < len(ptrs):
+        sig[name], attrs[(i,)] = ptrs[i], [["tt.divisibility", 16]]
+    else:
+        sig[name] = "fp32" if name.startswith("scale") else "i32"
+k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=sm90.NUM_WARPS))
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(k.asm["cubin"]); f.flush()
+    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+regs, stack = map(int, re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups())
+print(json.dumps(dict(shared=k.metadata.shared, regs=regs, stack=stack,
+                      hgmma=sass.count("HGMMA"), ldgsts=sass.count("LDGSTS.E.BYPASS.128"))))
+"""
+
+
+@pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+def test_sm90_kernel_compiles_without_spills():
+    """The Gluon kernel cannot run in the interpreter; compile it for sm_90a (ptxas ships with
+    Triton; a child process, because the interpreter replaces jit functions in this one) so that a
+    change that breaks it, spills or outgrows shared memory fails on the CPU too."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True,
+                         env=env, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["shared"] <= 227 * 1024 and got["stack"] == 0 and got["regs"] <= 255, got
+    # what it is for: tensor-core wgmma and asynchronous 16-byte gathers (18 per thread per block
+    # of 64 rows, issued in two places: before the loop and in it)
+    assert got["hgmma"] > 0 and got["ldgsts"] == 2 * 18, got
 
 
 # ------------------------------------------------------------------------------------------------
