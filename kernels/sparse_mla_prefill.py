@@ -24,9 +24,15 @@ scale). Per block of rows:
 - heads are the M of the dots: 64-head blocks run Hopper wgmma (M = 64 per warpgroup), 16- and
   32-head blocks mma.sync, so a small head count pays for no padding to 64.
 
+On Hopper, 64-head blocks (H > 32) go to a Gluon kernel instead (kernels/_sparse_mla_prefill_sm90.py:
+score tile split over the two warpgroups, the next rows' gather issued a whole step ahead), when
+the kv rows start on 16 bytes; this kernel serves everything else (other GPUs, H <= 32, the
+interpreter, OPENMLA_SM90_GLUON=0).
+
 Measured on an H200, 2026-11-22 (tools/bench.py): 4096 tokens, 32768 rows, topk 2048: 2.23 ms at
-H = 16, 3.22 ms at H = 32, 4.94 ms at H = 64, 9.42 ms at H = 128 (FlashMLA: 2.33 / 2.17 / 2.17 /
-4.19). Notes and the variants tried: docs/notes/sparse_mla_prefill.md.
+H = 16, 3.21 ms at H = 32 (this kernel), 3.13 ms at H = 64, 6.16 ms at H = 128 (the Gluon kernel;
+this one: 4.94 / 9.42). FlashMLA: 2.33 / 2.17 / 2.17 / 4.19. Notes and the variants tried:
+docs/notes/sparse_mla_prefill.md.
 """
 from __future__ import annotations
 
