@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import _sparse_mla_decode_sm90 as _sm90
 from kernels.merge import merge_finish, merge_step
 from kernels._device import num_sms
 from quant._validate import check_same_device, check_tensor, fail
@@ -346,9 +347,15 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, *, config=Non
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0:
         return lse
-    cfg = _pick_config(H)
-    if config:
-        cfg.update(config)
+    # Hopper, fp8 cache, more than 32 heads: the Gluon kernel (64-head wgmma tiles); a pinned
+    # config (tests, sweeps) always means the Triton kernel
+    sm90 = is_fp8 and H > 32 and not config and _sm90.usable(q, cache)
+    if sm90:
+        cfg = dict(BLOCK_H=_sm90.BLOCK_H, BLOCK_N=_sm90.BLOCK_N, occupancy=_sm90.OCCUPANCY)
+    else:
+        cfg = _pick_config(H)
+        if config:
+            cfg.update(config)
     block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
     block_n = cfg["BLOCK_N"]
     num_hb = triton.cdiv(H, block_h)
@@ -369,22 +376,26 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, *, config=Non
     else:
         po = plse = lse  # unused
     dummy = lse
-    sparse_mla_decode_kernel[(T * num_hb, num_splits)](
-        q, cache, indices,
-        topk_length if topk_length is not None else dummy,
-        attn_sink if attn_sink is not None else dummy,
-        out, lse, po, plse,
-        H, topk, chunk, num_hb, num_splits, num_blocks * block_size, block_size,
-        q.stride(0), q.stride(1), stride_cb, stride_cr, indices.stride(0), out.stride(0), out.stride(1),
-        float(scale) * LOG2E,
-        FP8=is_fp8, ASM=not _interpreting(), DENSE=dense, HAS_LEN=topk_length is not None,
-        HAS_SINK=attn_sink is not None, SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n,
-        TILE=FP8_DS_MLA.tile_size, ROPE=fmt.rope_dim,
-        SCALE_OFF=FP8_DS_MLA.scale_offset,
-        ROPE_OFF=FP8_DS_MLA.rope_offset if is_fp8 else BF16_MLA.latent_dim,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-    )
+    args = (q, cache, indices,
+            topk_length if topk_length is not None else dummy,
+            attn_sink if attn_sink is not None else dummy,
+            out, lse, po, plse,
+            H, topk, chunk, num_hb, num_splits, num_blocks * block_size, block_size,
+            q.stride(0), q.stride(1), stride_cb, stride_cr, indices.stride(0), out.stride(0), out.stride(1),
+            float(scale) * LOG2E)
+    consts = dict(DENSE=dense, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
+                  SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n, TILE=FP8_DS_MLA.tile_size,
+                  ROPE=fmt.rope_dim, SCALE_OFF=FP8_DS_MLA.scale_offset,
+                  ROPE_OFF=FP8_DS_MLA.rope_offset if is_fp8 else BF16_MLA.latent_dim)
+    if sm90:
+        _sm90.sparse_mla_decode_sm90_kernel[(T * num_hb, num_splits)](
+            *args, **consts, num_warps=_sm90.NUM_WARPS)
+    else:
+        sparse_mla_decode_kernel[(T * num_hb, num_splits)](
+            *args, FP8=is_fp8, ASM=not _interpreting(), **consts,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+        )
     if split:
         block_hm = min(16, triton.next_power_of_2(H))
         sparse_mla_decode_merge_kernel[(T, triton.cdiv(H, block_hm))](

@@ -205,3 +205,48 @@ def attention_options(H: int, D: int, *, scale_factor: float, seed: int, sinks: 
     if sinks:
         opts["sinks"] = (torch.randn(H, generator=g) * 2).to(DEVICE)
     return opts
+
+
+_COMPILE_SM90 = """
+import importlib, json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+module, name, const, ptrs, warps = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), name)
+sig, attrs = {}, {}
+for i, arg in enumerate(fn.arg_names):
+    if arg in const:
+        sig[arg] = "constexpr"
+    elif i < len(ptrs):
+        sig[arg], attrs[(i,)] = ptrs[i], [["tt.divisibility", 16]]
+    else:
+        sig[arg] = "fp32" if "scale" in arg else "i32"
+k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=warps))
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(k.asm["cubin"]); f.flush()
+    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+regs, stack = map(int, re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups())
+print(json.dumps(dict(shared=k.metadata.shared, regs=regs, stack=stack, hgmma=sass.count("HGMMA"),
+                      ldgsts128=sass.count("LDGSTS.E.BYPASS.128"), ldgsts=sass.count("LDGSTS"))))
+"""
+
+
+def compile_gluon_sm90(module: str, name: str, const: dict, ptr_types: list, num_warps: int) -> dict:
+    """Compile a Gluon kernel for sm_90a without a GPU (ptxas ships with Triton) and return its
+    shared memory, registers, spill stack and SASS counts (wgmma, cp.async). Gluon does not run
+    in the interpreter, which also replaces jit functions in this process: a child compiles it."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90,
+                          json.dumps([module, name, const, ptr_types, num_warps])],
+                         capture_output=True, text=True, env=env, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

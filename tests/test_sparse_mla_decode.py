@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from kernels.reference import sparse_mla_decode_ref
+from kernels import _sparse_mla_decode_sm90 as sm90
 from kernels.sparse_mla_decode import _launch, sparse_mla_decode
 from quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
-from tests.helpers import DEVICE, GPU_ONLY, assert_close, invalid_indices, random_paged_cache
+from tests.helpers import DEVICE, GPU_ONLY, assert_close, compile_gluon_sm90, invalid_indices, random_paged_cache
 
 SCALE = 0.083
 FORMATS = {"fp8": FP8_DS_MLA, "fp8raw": FP8_DS_MLA_RAW, "bf16": BF16_MLA}
@@ -197,10 +198,11 @@ def test_cache_offsets_past_2gb():
 
 
 @GPU_ONLY
-def test_cuda_graph_replay_with_new_inputs():
+@pytest.mark.parametrize("H", [16, 128])  # on Hopper, 128 heads run the Gluon kernel
+def test_cuda_graph_replay_with_new_inputs(H):
     """Captured once, replayed with new q, indices, topk_length and cache contents: each replay
     matches the oracle for the inputs it saw (no host read of device tensors in the op)."""
-    T, H, topk, nb, bs = 32, 16, 2048, 64, 64
+    T, topk, nb, bs = 32, 2048, 64, 64
     q, cache, idx = make_inputs("fp8", T, H, topk, nb, bs, seed=1)
     topk_length = torch.full((T,), topk, dtype=torch.int32, device=DEVICE)
     sink = torch.randn(H).to(DEVICE)
@@ -226,6 +228,48 @@ def test_cuda_graph_replay_with_new_inputs():
                                                attn_sink=sink)
         assert_close("out", out, want, "sparse_decode")
         assert_close("lse", lse, want_lse, "lse")
+
+
+# ----------------------------------------------------------------------------------------------
+# Two kernels serve fp8 caches with more than 32 heads: the Gluon one on Hopper (the tests above run
+# it there) and the Triton one everywhere else. On Hopper, run the Triton one here too.
+# ----------------------------------------------------------------------------------------------
+SM90_ONLY = pytest.mark.skipif(DEVICE == "cpu" or not sm90.usable(torch.empty(1, device=DEVICE),
+                                                                   torch.empty(16, 16, 16, device=DEVICE)),
+                               reason="off Hopper the Triton kernel is the only path, and the tests "
+                                      "above already run it")
+
+
+@SM90_ONLY
+@pytest.mark.parametrize("T,H,topk,num_blocks,block_size,ext", [
+    pytest.param(5, 128, 2048, 40, 61, True, id="T5-H128-topk2048-bs61-lengths-sink"),
+    pytest.param(9, 64, 300, 1000, 1, False, id="T9-H64-topk300-bs1"),
+])
+def test_triton_kernel_on_hopper(T, H, topk, num_blocks, block_size, ext, monkeypatch):
+    monkeypatch.setenv("OPENMLA_SM90_GLUON", "0")
+    q, cache, idx = make_inputs("fp8", T, H, topk, num_blocks, block_size, seed=T + H, q_mul=3.0)
+    assert not sm90.usable(q, cache)
+    tlen = sink = None
+    if ext:
+        tlen = torch.randint(-1, topk + 2, (T,), dtype=torch.int32).to(DEVICE)
+        tlen[0] = 0
+        sink = torch.randn(H).to(DEVICE)
+    check(q, cache, idx, topk_length=tlen, attn_sink=sink)
+
+
+@pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+def test_sm90_kernel_compiles():
+    """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
+    that breaks it or outgrows shared memory fails on the CPU too. (It spills ~230 bytes a
+    thread next to its 128 accumulator registers; measured and accepted, see its docstring.)"""
+    got = compile_gluon_sm90(
+        "kernels._sparse_mla_decode_sm90", "sparse_mla_decode_sm90_kernel",
+        dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_H=sm90.BLOCK_H,
+             BLOCK_N=sm90.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528),
+        ["*bf16", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90.NUM_WARPS)
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255, got
+    # wgmma, and 16-byte asynchronous gathers only (latent bytes and rope, before and in the loop)
+    assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] > 0, got
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 from kernels import _sparse_mla_prefill_sm90 as sm90
 from kernels.reference import sparse_mla_ref
 from kernels.sparse_mla_prefill import sparse_mla_prefill
-from tests.helpers import DEVICE, GPU_ONLY, assert_close, invalid_indices
+from tests.helpers import DEVICE, GPU_ONLY, assert_close, compile_gluon_sm90, invalid_indices
 
 DEFAULT_SCALE = 576 ** -0.5
 
@@ -204,57 +204,19 @@ def test_triton_kernel_on_hopper(case, request, monkeypatch):
     check(case, request)
 
 
-_COMPILE_SM90 = """
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from kernels import _sparse_mla_prefill_sm90 as sm90
-fn = sm90.sparse_mla_prefill_sm90_kernel
-const = dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=64,
-             BLOCK_H=sm90.BLOCK_H, BLOCK_N=sm90.BLOCK_N)
-ptrs = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"]
-sig, attrs = {}, {}
-for i, name in enumerate(fn.arg_names):
-    if name in const:
-        sig[name] = "constexpr"
-    elif i < len(ptrs):
-        sig[name], attrs[(i,)] = ptrs[i], [["tt.divisibility", 16]]
-    else:
-        sig[name] = "fp32" if name.startswith("scale") else "i32"
-k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=sm90.NUM_WARPS))
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(k.asm["cubin"]); f.flush()
-    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
-    sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-regs, stack = map(int, re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups())
-print(json.dumps(dict(shared=k.metadata.shared, regs=regs, stack=stack,
-                      hgmma=sass.count("HGMMA"), ldgsts=sass.count("LDGSTS.E.BYPASS.128"))))
-"""
-
-
 @pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
 def test_sm90_kernel_compiles_without_spills():
-    """The Gluon kernel cannot run in the interpreter; compile it for sm_90a (ptxas ships with
-    Triton; a child process, because the interpreter replaces jit functions in this one) so that a
-    change that breaks it, spills or outgrows shared memory fails on the CPU too."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True,
-                         env=env, cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
+    that breaks it, spills or outgrows shared memory fails on the CPU too."""
+    got = compile_gluon_sm90(
+        "kernels._sparse_mla_prefill_sm90", "sparse_mla_prefill_sm90_kernel",
+        dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=64,
+             BLOCK_H=sm90.BLOCK_H, BLOCK_N=sm90.BLOCK_N),
+        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90.NUM_WARPS)
     assert got["shared"] <= 227 * 1024 and got["stack"] == 0 and got["regs"] <= 255, got
     # what it is for: tensor-core wgmma and asynchronous 16-byte gathers (18 per thread per block
     # of 64 rows, issued in two places: before the loop and in it)
-    assert got["hgmma"] > 0 and got["ldgsts"] == 2 * 18, got
+    assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] == 2 * 18, got
 
 
 # ------------------------------------------------------------------------------------------------
