@@ -14,9 +14,10 @@ cannot be told (see kernels/_sparse_mla_prefill_sm90.py for the same change in p
   once, a 128-wide tile at a time, into one swizzled buffer both dots read.
 8 warps, ~220 KB shared memory: one program per SM (the split rule's occupancy 1).
 
-Measured on an H200 (2026-11-22, do_bench_cudagraph, 262144-slot cache, topk 2048, scale 0.1):
-H64 0.274 / 0.076 ms and H128 0.497 / 0.143 ms at T = 128 / 32, against 0.409 / 0.116 and
-0.754 / 0.214 for the Triton kernel in the same process.
+Measured on an H200 (2026-11-22, tools/bench.py, 262144-slot cache, topk 2048): H64 0.233 / 0.076
+ms and H128 0.453 / 0.127 ms at T = 128 / 32; the Triton kernel measured 0.409 / 0.116 and
+0.754 / 0.214 (scratch/gl/run1d.py, same process). FlashMLA: 0.117 / 0.051 and 0.187 / 0.067.
+Where a step's time goes: docs/notes/sparse_mla_decode.md.
 """
 from __future__ import annotations
 
