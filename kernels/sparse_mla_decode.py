@@ -45,14 +45,7 @@ MAX_HEADS = 128
 # Configs are picked by `_pick_config` from a table measured on an H200 (scratch/decode/NOTES.md).
 
 
-@triton.jit
-def _pow2_at_least(x):
-    """Smallest power of two >= x for finite x > 0 (fp32, exact: built from the exponent bits)."""
-    b = x.to(tl.int32, bitcast=True)
-    e = (b >> 23) & 0xFF
-    e = tl.where((b & 0x7FFFFF) != 0, e + 1, e)
-    e = tl.minimum(tl.maximum(e, 1), 254)
-    return (e << 23).to(tl.float32, bitcast=True)
+_pow2_at_least = _sm90.pow2_at_least
 
 
 @triton.jit
