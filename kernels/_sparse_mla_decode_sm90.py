@@ -101,6 +101,17 @@ if _GLUON:
 
 
     @gluon.jit
+    def _tile_scores(s_ql, s_k16, p_s, m_n, b_r, b_fq, zs, T: gl.constexpr, TILE: gl.constexpr):
+        # latent tile T's scores: (q_T . k_T) x the rows' tile-T scale x the heads' q factor, and
+        # the new running power of two R_T >= every tile-T scale so far
+        t_s = hopper.warpgroup_mma(s_ql.slice(T * TILE, TILE, dim=1),
+                                   s_k16.slice(T * TILE, TILE, dim=1).permute((1, 0)), zs,
+                                   use_acc=False, is_async=True)
+        b_st = gl.load(p_s + T, mask=m_n, other=0.0)
+        b_n = gl.maximum(b_r, _pow2_at_least(gl.max(b_st, 0) + 1e-38))
+        return hopper.warpgroup_mma_wait(0, deps=[t_s]) * b_st[None, :] * b_fq[:, None], b_n
+
+    @gluon.jit
     def sparse_mla_decode_sm90_kernel(
         q_ptr, cache_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
         H, TOPK, CHUNK, NUM_HB, NUM_SPLITS, num_slots, block_size,
@@ -202,22 +213,14 @@ if _GLUON:
             t_r = hopper.warpgroup_mma(s_qr, s_kr.index(buf).permute((1, 0)), zs, use_acc=False, is_async=True)
             b_sc = hopper.warpgroup_mma_wait(0, deps=[t_r]) * qk_scale
             # per tile: scores scaled by the rows' tile scale (loaded where used, to keep registers)
-            t0 = hopper.warpgroup_mma(s_ql.slice(0 * TILE, TILE, dim=1), s_k16.slice(0 * TILE, TILE, dim=1).permute((1, 0)), zs, use_acc=False, is_async=True)
-            b_st = gl.load(p_s + 0, mask=m_n, other=0.0)
-            n0 = gl.maximum(b_r0, _pow2_at_least(gl.max(b_st, 0) + 1e-38))
-            b_sc += hopper.warpgroup_mma_wait(0, deps=[t0]) * b_st[None, :] * b_fq[:, None]
-            t1 = hopper.warpgroup_mma(s_ql.slice(1 * TILE, TILE, dim=1), s_k16.slice(1 * TILE, TILE, dim=1).permute((1, 0)), zs, use_acc=False, is_async=True)
-            b_st = gl.load(p_s + 1, mask=m_n, other=0.0)
-            n1 = gl.maximum(b_r1, _pow2_at_least(gl.max(b_st, 0) + 1e-38))
-            b_sc += hopper.warpgroup_mma_wait(0, deps=[t1]) * b_st[None, :] * b_fq[:, None]
-            t2 = hopper.warpgroup_mma(s_ql.slice(2 * TILE, TILE, dim=1), s_k16.slice(2 * TILE, TILE, dim=1).permute((1, 0)), zs, use_acc=False, is_async=True)
-            b_st = gl.load(p_s + 2, mask=m_n, other=0.0)
-            n2 = gl.maximum(b_r2, _pow2_at_least(gl.max(b_st, 0) + 1e-38))
-            b_sc += hopper.warpgroup_mma_wait(0, deps=[t2]) * b_st[None, :] * b_fq[:, None]
-            t3 = hopper.warpgroup_mma(s_ql.slice(3 * TILE, TILE, dim=1), s_k16.slice(3 * TILE, TILE, dim=1).permute((1, 0)), zs, use_acc=False, is_async=True)
-            b_st = gl.load(p_s + 3, mask=m_n, other=0.0)
-            n3 = gl.maximum(b_r3, _pow2_at_least(gl.max(b_st, 0) + 1e-38))
-            b_sc += hopper.warpgroup_mma_wait(0, deps=[t3]) * b_st[None, :] * b_fq[:, None]
+            b_t, n0 = _tile_scores(s_ql, s_k16, p_s, m_n, b_r0, b_fq, zs, 0, TILE)
+            b_sc += b_t
+            b_t, n1 = _tile_scores(s_ql, s_k16, p_s, m_n, b_r1, b_fq, zs, 1, TILE)
+            b_sc += b_t
+            b_t, n2 = _tile_scores(s_ql, s_k16, p_s, m_n, b_r2, b_fq, zs, 2, TILE)
+            b_sc += b_t
+            b_t, n3 = _tile_scores(s_ql, s_k16, p_s, m_n, b_r3, b_fq, zs, 3, TILE)
+            b_sc += b_t
             b_sc = gl.where(m_n[None, :], b_sc, float("-inf"))
 
             m_new = gl.maximum(b_m, gl.max(b_sc, 1))
