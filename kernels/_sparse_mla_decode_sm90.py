@@ -21,11 +21,11 @@ Where a step's time goes: docs/notes/sparse_mla_decode.md.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels._device import sm90_gluon
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
@@ -54,15 +54,10 @@ def pow2_at_least(x):
 
 
 def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether this kernel serves these inputs: a Hopper GPU with Gluon, not the interpreter, not
-    switched off (OPENMLA_SM90_GLUON=0), and cache rows on 16 bytes (16-byte cp.async)."""
-    if not _GLUON or q.device.type != "cuda" or triton.knobs.runtime.interpret:
-        return False
-    if os.environ.get("OPENMLA_SM90_GLUON", "1") == "0":
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return cache.data_ptr() % 16 == 0 and cache.stride(0) % 16 == 0 and cache.stride(1) % 16 == 0
+    """Whether this kernel serves these inputs: Gluon kernels may run on their device
+    (`sm90_gluon`), and cache rows start on 16 bytes (16-byte cp.async)."""
+    return (sm90_gluon(q.device) and cache.data_ptr() % 16 == 0 and cache.stride(0) % 16 == 0
+            and cache.stride(1) % 16 == 0)
 
 
 if _GLUON:

@@ -17,16 +17,16 @@ Shared memory: q 72 KB + 2 x 72 KB rows + P exchange ~ 220 KB (one program per S
 Measured on an H200 (2026-11-22, 4096 tokens, 32768 rows, topk 2048): 3.16 ms at H = 64 and
 6.48 ms at H = 128, against 4.94 / 9.38 ms for the Triton kernel in the same process.
 
-Gluon runs on the GPU only (not in Triton's interpreter); `available` says when to use it. The
+Gluon runs on the GPU only (not in Triton's interpreter); `usable` says when to use it. The
 CPU suite compiles it for sm_90a (tests/test_sparse_mla_prefill.py); the GPU suite checks it
 against the oracle like every other path.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
+
+from kernels._device import sm90_gluon
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
@@ -42,21 +42,11 @@ BLOCK_N = 64  # rows per step: 32 measured 4.31 / 8.41 ms (m64n16 score tiles pe
 NUM_WARPS = 8
 
 
-def available(device: torch.device) -> bool:
-    """Whether this kernel can run on `device`: a Hopper GPU, Gluon importable, not the
-    interpreter, and not switched off with OPENMLA_SM90_GLUON=0."""
-    if not _GLUON or device.type != "cuda" or triton.knobs.runtime.interpret:
-        return False
-    if os.environ.get("OPENMLA_SM90_GLUON", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9
-
-
 def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether this kernel serves these inputs: `available` on their device, and kv rows that
-    start on 16 bytes (the row copies are 16-byte cp.async; other strides or offsets take the
-    Triton kernel)."""
-    return available(q.device) and kv.data_ptr() % 16 == 0 and kv.stride(0) % 8 == 0
+    """Whether this kernel serves these inputs: Gluon kernels may run on their device
+    (`sm90_gluon`), and kv rows start on 16 bytes (the row copies are 16-byte cp.async; other
+    strides or offsets take the Triton kernel)."""
+    return sm90_gluon(q.device) and kv.data_ptr() % 16 == 0 and kv.stride(0) % 8 == 0
 
 
 if _GLUON:

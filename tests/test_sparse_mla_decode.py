@@ -13,6 +13,7 @@ import torch
 
 from kernels.reference import sparse_mla_decode_ref
 from kernels import _sparse_mla_decode_sm90 as sm90
+from kernels._device import sm90_gluon
 from kernels.sparse_mla_decode import _launch, sparse_mla_decode
 from quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
 from tests.helpers import DEVICE, GPU_ONLY, assert_close, compile_gluon_sm90, invalid_indices, random_paged_cache
@@ -234,8 +235,7 @@ def test_cuda_graph_replay_with_new_inputs(H):
 # Two kernels serve fp8 caches with more than 32 heads: the Gluon one on Hopper (the tests above run
 # it there) and the Triton one everywhere else. On Hopper, run the Triton one here too.
 # ----------------------------------------------------------------------------------------------
-SM90_ONLY = pytest.mark.skipif(DEVICE == "cpu" or not sm90.usable(torch.empty(1, device=DEVICE),
-                                                                   torch.empty(16, 16, 16, device=DEVICE)),
+SM90_ONLY = pytest.mark.skipif(not sm90_gluon(DEVICE),
                                reason="off Hopper the Triton kernel is the only path, and the tests "
                                       "above already run it")
 

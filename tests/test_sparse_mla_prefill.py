@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kernels import _sparse_mla_prefill_sm90 as sm90
+from kernels._device import sm90_gluon
 from kernels.reference import sparse_mla_ref
 from kernels.sparse_mla_prefill import sparse_mla_prefill
 from tests.helpers import DEVICE, GPU_ONLY, assert_close, compile_gluon_sm90, invalid_indices
@@ -185,7 +186,7 @@ def test_scale_and_strides(case, request):
 # ------------------------------------------------------------------------------------------------
 # Two kernels serve 64-head blocks: the Gluon one on Hopper (every test above runs it there for
 # H > 32) and the Triton one everywhere else. On Hopper, run the Triton one here too.
-SM90_ONLY = pytest.mark.skipif(DEVICE == "cpu" or not sm90.available(torch.device(DEVICE)),
+SM90_ONLY = pytest.mark.skipif(not sm90_gluon(DEVICE),
                                reason="off Hopper the Triton kernel is the only path, and the tests "
                                       "above already run it")
 TRITON_PATH = [
@@ -200,7 +201,7 @@ TRITON_PATH = [
 @pytest.mark.parametrize("case", TRITON_PATH)
 def test_triton_kernel_on_hopper(case, request, monkeypatch):
     monkeypatch.setenv("OPENMLA_SM90_GLUON", "0")
-    assert not sm90.available(torch.device(DEVICE))
+    assert not sm90_gluon(DEVICE)
     check(case, request)
 
 
