@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels import _sparse_mla_decode_sm90 as _sm90
+from kernels import _sparse_mla_decode_sm90_kn as _kn
 from kernels.merge import merge_finish, merge_step
 from kernels._device import num_sms
 from quant._validate import check_same_device, check_tensor, fail
@@ -329,7 +330,7 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
         # measured faster than the two-round rule on the H200 (T=32, H=128: 2 splits 0.127 ms,
         # 4 splits 0.142; T=128, H=128: 1 split 0.449, 2 splits 0.493; T=32, H=64: 4 splits
         # 0.076, 2 splits 0.123): each split pays the q prologue and a partial row per head
-        most = max(1, min(slots // base, topk // (MIN_STEPS * cfg["BLOCK_N"])))
+        most = max(1, min(slots // base, topk // (cfg.get("min_steps", MIN_STEPS) * cfg["BLOCK_N"])))
     else:
         most = max(1, min(triton.cdiv(WAVES * slots, base), topk // (MIN_STEPS * cfg["BLOCK_N"])))
     best, best_fill = 1, 0.0
@@ -354,9 +355,13 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, *, config=Non
     # Hopper, fp8 cache, more than 32 heads: the Gluon kernel (64-head wgmma tiles); a pinned
     # config (tests, sweeps) always means the Triton kernel
     sm90 = is_fp8 and H > 32 and not config and _sm90.usable(q, cache)
+    kn = is_fp8 and H <= 32 and not config and _kn.usable(q, cache)
     if sm90:
         cfg = dict(BLOCK_H=_sm90.BLOCK_H, BLOCK_N=_sm90.BLOCK_N, occupancy=_sm90.OCCUPANCY,
                    one_round=True)
+    elif kn:
+        cfg = dict(BLOCK_H=_kn.block_h(H), BLOCK_N=_kn.BLOCK_N, occupancy=_kn.OCCUPANCY,
+                   one_round=True, min_steps=_kn.MIN_STEPS)
     else:
         cfg = _pick_config(H)
         if config:
@@ -395,6 +400,9 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, *, config=Non
     if sm90:
         _sm90.sparse_mla_decode_sm90_kernel[(T * num_hb, num_splits)](
             *args, **consts, num_warps=_sm90.NUM_WARPS)
+    elif kn:
+        _kn.sparse_mla_decode_sm90_kn_kernel[(T * num_hb, num_splits)](
+            *args, **consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_kn.NUM_WARPS)
     else:
         sparse_mla_decode_kernel[(T * num_hb, num_splits)](
             *args, FP8=is_fp8, ASM=not _interpreting(), **consts,

@@ -13,6 +13,7 @@ import torch
 
 from kernels.reference import sparse_mla_decode_ref
 from kernels import _sparse_mla_decode_sm90 as sm90
+from kernels import _sparse_mla_decode_sm90_kn as sm90_kn
 from kernels._device import sm90_gluon
 from kernels.sparse_mla_decode import _launch, sparse_mla_decode
 from quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
@@ -232,8 +233,9 @@ def test_cuda_graph_replay_with_new_inputs(H):
 
 
 # ----------------------------------------------------------------------------------------------
-# Two kernels serve fp8 caches with more than 32 heads: the Gluon one on Hopper (the tests above run
-# it there) and the Triton one everywhere else. On Hopper, run the Triton one here too.
+# On Hopper, fp8 caches run Gluon kernels (H > 32: 64-head tiles; H <= 32: keys on the wgmma M);
+# the tests above run them there, and the Triton kernel everywhere else. On Hopper, run the Triton
+# one here too.
 # ----------------------------------------------------------------------------------------------
 SM90_ONLY = pytest.mark.skipif(not sm90_gluon(DEVICE),
                                reason="off Hopper the Triton kernel is the only path, and the tests "
@@ -244,11 +246,13 @@ SM90_ONLY = pytest.mark.skipif(not sm90_gluon(DEVICE),
 @pytest.mark.parametrize("T,H,topk,num_blocks,block_size,ext", [
     pytest.param(5, 128, 2048, 40, 61, True, id="T5-H128-topk2048-bs61-lengths-sink"),
     pytest.param(9, 64, 300, 1000, 1, False, id="T9-H64-topk300-bs1"),
+    pytest.param(4, 16, 2048, 64, 64, True, id="T4-H16-topk2048-bs64-lengths-sink"),
+    pytest.param(6, 3, 300, 1000, 1, False, id="T6-H3-topk300-bs1"),
 ])
 def test_triton_kernel_on_hopper(T, H, topk, num_blocks, block_size, ext, monkeypatch):
     monkeypatch.setenv("OPENMLA_SM90_GLUON", "0")
     q, cache, idx = make_inputs("fp8", T, H, topk, num_blocks, block_size, seed=T + H, q_mul=3.0)
-    assert not sm90.usable(q, cache)
+    assert not sm90.usable(q, cache) and not sm90_kn.usable(q, cache)
     tlen = sink = None
     if ext:
         tlen = torch.randint(-1, topk + 2, (T,), dtype=torch.int32).to(DEVICE)
@@ -270,6 +274,25 @@ def test_sm90_kernel_compiles():
     assert got["shared"] <= 227 * 1024 and got["regs"] <= 255, got
     # wgmma, and 16-byte asynchronous gathers only (latent bytes and rope, before and in the loop)
     assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] > 0, got
+
+
+@pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+@pytest.mark.parametrize("block_h", [16, 32])
+def test_sm90_kn_kernel_compiles(block_h):
+    """The keys-on-M Gluon kernel (H <= 32), compiled for sm_90a on the CPU: shared memory fits,
+    wgmma with register A operands, 16-byte gathers of latent and rope; register operands built from
+    the bytes with no shared-memory round trip (reshape/permute must compile to nothing: the only
+    shared stores in the loop are P and the softmax reductions). It spills a little (loop-invariant
+    addresses, reloaded from L1): accepted, see the module docstring."""
+    got = compile_gluon_sm90(
+        "kernels._sparse_mla_decode_sm90_kn", "sparse_mla_decode_sm90_kn_kernel",
+        dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_H=block_h,
+             BLOCK_N=sm90_kn.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528, BS_SHIFT=6),
+        ["*bf16", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90_kn.NUM_WARPS)
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255, got
+    # rope + 4 x 8 score steps + 8 value steps of 4 M-repetitions, each in the prologue-free loop
+    assert got["hgmma"] == 4 + 32 + 32, got
+    assert got["ldgsts128"] > 0, got
 
 
 # ----------------------------------------------------------------------------------------------
