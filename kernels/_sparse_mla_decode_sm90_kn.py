@@ -19,8 +19,19 @@ Arithmetic (same contract as the Triton kernel; kernels/sparse_mla_decode.py):
 - values: V^T = k8 * (s_t / R) rounded to fp16 (exact for power-of-two scales unless it is
   below 2^-24 of the largest scale so far), R a running power of two >= every scale seen;
   O^T is kept in units of R. P in fp16 (2^-11).
+Warp-specialised: a producer warpgroup (48 registers) gathers block i + 1 with 16-byte cp.async
+(256 / 128 / 16 contiguous bytes of a row per warp instruction; spread over 16 B per thread the
+same gather measured 1.5x slower) while the two consumer warpgroups compute block i; a stage is
+handed over with mbarriers (full: every producer thread's copies landed; empty: the consumers are
+done with it). Issued by the consumers themselves, the gathers stalled their compute (measured:
+compute-only 0.062 ms + gather-only 0.051 ms = 0.114 ms at T128 H16).
 Shared memory: two stages of 128 gathered rows (latent bytes 64 KB, bf16 rope 16 KB, scales 2 KB),
-q^T, P^T: ~190 KB (HN 16) / ~215 KB (HN 32); 8 warps, one program per SM.
+q^T, P^T: ~190 KB (HN 16) / ~215 KB (HN 32); 8 + 4 warps, one program per SM; the consumers run
+at 240 registers and spill ~180 / ~300 bytes (loop-invariant addresses).
+
+Measured on an H200 (2026-11-22, scratch/kn/run.py, CUDA-graph median, 262144-slot cache, topk
+2048): T128 H16 0.106 ms, H32 0.129; T32 H16 0.047, H32 0.062 (Triton kernel 0.136 / 0.229 /
+0.051 / 0.064; FlashMLA 0.117 / 0.117 / 0.051 / 0.051).
 """
 from __future__ import annotations
 
@@ -34,6 +45,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from kernels._sparse_mla_decode_sm90 import _pow2_at_least
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
@@ -115,27 +127,6 @@ if _GLUON:
                 gl.load(p_idx + o_s, mask=o_s < k_hi, other=-1))
 
     @gluon.jit
-    def _copy_block(cache_ptr, b_i8, b_ir, b_is, num_slots, block_size, stride_cb, stride_cr, s_b8, s_rope,
-                    s_sc, G8: gl.constexpr, GR: gl.constexpr, GS: gl.constexpr, DENSE: gl.constexpr,
-                    BS_SHIFT: gl.constexpr, D_LAT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr,
-                    SCALE_OFF: gl.constexpr):
-        # start the gather of one block of rows (one commit group): latent bytes, bf16 rope and the
-        # four fp32 scales, each a contiguous run of a row per warp instruction (256 / 128 / 16
-        # bytes); an invalid slot is masked (zero-filled: scale 0), never read
-        p8, m8 = _row_ptrs(cache_ptr, b_i8, num_slots, block_size, stride_cb, stride_cr, DENSE, BS_SHIFT)
-        o_b = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, G8))
-        cp.async_copy_global_to_shared(s_b8, p8[:, None] + o_b[None, :], mask=m8[:, None])
-        p_r, m_r = _row_ptrs(cache_ptr, b_ir, num_slots, block_size, stride_cb, stride_cr, DENSE, BS_SHIFT)
-        p_r = gl.multiple_of((p_r + ROPE_OFF).to(gl.pointer_type(gl.bfloat16)), 16)
-        o_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, GR))
-        cp.async_copy_global_to_shared(s_rope, p_r[:, None] + o_r[None, :], mask=m_r[:, None])
-        p_s, m_s = _row_ptrs(cache_ptr, b_is, num_slots, block_size, stride_cb, stride_cr, DENSE, BS_SHIFT)
-        p_s = gl.multiple_of((p_s + SCALE_OFF).to(gl.pointer_type(gl.float32)), 16)
-        o_s = gl.arange(0, 4, layout=gl.SliceLayout(0, GS))
-        cp.async_copy_global_to_shared(s_sc, p_s[:, None] + o_s[None, :], mask=m_s[:, None])
-        cp.commit_group()
-
-    @gluon.jit
     def _tile_col(b_s4, o_c4, t: gl.constexpr, ROW_S: gl.constexpr):
         # column t of the [128, 4] scales (all four sit in each thread: no data movement)
         return gl.convert_layout(gl.sum(gl.where(o_c4[None, :] == t, b_s4, 0.0), 1), ROW_S)
@@ -162,28 +153,58 @@ if _GLUON:
         return gl.convert_layout(v.reshape([512, 16]), A_L)
 
     @gluon.jit
-    def sparse_mla_decode_sm90_kn_kernel(
-        q_ptr, cache_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
-        H, TOPK, CHUNK, NUM_HB, NUM_SPLITS, num_slots, block_size,
-        stride_qt, stride_qh, stride_cb, stride_cr, stride_it, stride_ot, stride_oh,
-        qk_scale,
-        DENSE: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr, ROPE: gl.constexpr,
-        SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, BS_SHIFT: gl.constexpr,
-    ):
-        gl.static_assert(BLOCK_N == 128)
-        gl.static_assert(TILE == 128)
-        HN: gl.constexpr = BLOCK_H
-        D_LAT: gl.constexpr = 4 * TILE
-        # S^T [128, HN] and O^T [512, HN]: warps on M (keys / dims), one m64nHN wgmma per warpgroup
+    def _issue_block(cache_ptr, b_i8, b_ir, b_is, num_slots, block_size, stride_cb, stride_cr, s_b8, s_rope,
+                    s_sc, G8: gl.constexpr, GR: gl.constexpr, GS: gl.constexpr, DENSE: gl.constexpr,
+                    BS_SHIFT: gl.constexpr, D_LAT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr,
+                    SCALE_OFF: gl.constexpr):
+        # start the gather of one block of rows (one commit group): latent bytes, bf16 rope and the
+        # four fp32 scales, each a contiguous run of a row per warp instruction (256 / 128 / 16
+        # bytes); an invalid slot is masked (zero-filled: scale 0), never read
+        p8, m8 = _row_ptrs(cache_ptr, b_i8, num_slots, block_size, stride_cb, stride_cr, DENSE, BS_SHIFT)
+        o_b = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, G8))
+        cp.async_copy_global_to_shared(s_b8, p8[:, None] + o_b[None, :], mask=m8[:, None])
+        p_r, m_r = _row_ptrs(cache_ptr, b_ir, num_slots, block_size, stride_cb, stride_cr, DENSE, BS_SHIFT)
+        p_r = gl.multiple_of((p_r + ROPE_OFF).to(gl.pointer_type(gl.bfloat16)), 16)
+        o_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, GR))
+        cp.async_copy_global_to_shared(s_rope, p_r[:, None] + o_r[None, :], mask=m_r[:, None])
+        p_s, m_s = _row_ptrs(cache_ptr, b_is, num_slots, block_size, stride_cb, stride_cr, DENSE, BS_SHIFT)
+        p_s = gl.multiple_of((p_s + SCALE_OFF).to(gl.pointer_type(gl.float32)), 16)
+        o_s = gl.arange(0, 4, layout=gl.SliceLayout(0, GS))
+        cp.async_copy_global_to_shared(s_sc, p_s[:, None] + o_s[None, :], mask=m_s[:, None])
+
+    @gluon.jit
+    def _producer(cache_ptr, p_idx, k_lo, k_hi, n_blk, num_slots, block_size, stride_cb, stride_cr,
+                  s_b8, s_kr, s_sc, full, empty, DENSE: gl.constexpr, BS_SHIFT: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D_LAT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr,
+                  SCALE_OFF: gl.constexpr):
+        # one warpgroup: gathers block i into stage i % 2 once the consumers released it; the stage's
+        # full barrier completes when every producer thread's copies have landed
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
+        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        GS: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [4, 1], [1, 0])
+        for i in range(n_blk):
+            buf = i % 2
+            mbarrier.wait(empty.index(buf), ((i // 2) & 1) ^ 1)
+            b_i8, b_ir, b_is = _load_idx(p_idx, k_lo + i * BLOCK_N, k_hi, BLOCK_N, G8, GR, GS)
+            _issue_block(cache_ptr, b_i8, b_ir, b_is, num_slots, block_size, stride_cb, stride_cr,
+                         s_b8.index(buf), s_kr.index(buf), s_sc.index(buf), G8, GR, GS, DENSE,
+                         BS_SHIFT, D_LAT, ROPE, ROPE_OFF, SCALE_OFF)
+            cp.mbarrier_arrive(full.index(buf), increment_count=False)
+
+    @gluon.jit
+    def _consumer(s_b8, s_kr, s_sc, s_p, s_ql, s_qr, full, empty, p_idx, k_lo, k_hi, n_blk, num_slots, b_fq,
+                  qk_scale, HN: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr, D_LAT: gl.constexpr):
+        # two warpgroups: scores and values of each block, online softmax; returns the running
+        # (O^T, per-thread row sums, max, R). Layouts: S^T [128, HN] and O^T [512, HN] with warps on
+        # M (one m64nHN wgmma per warpgroup); Y_L: a K tile's bytes, a thread's 32 contiguous bytes of
+        # rows r and r + 8; V2_L / V3_L: 16 keys' bytes for V^T, a thread's 8 contiguous dims of 4
+        # keys; SC_L: the four scales of each key in the score tile's row distribution
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HN, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
-        # bytes of a K tile [128 keys, 128]: a thread's 32 contiguous bytes of rows r and r + 8
         Y_L: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
             lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
             warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, TILE])
-        # bytes of 16 keys [16, 512] for V^T: a thread's 8 contiguous dims of 4 keys
         V2_L: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
             lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
@@ -192,79 +213,27 @@ if _GLUON:
             reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [1, 0, 0], [8, 0, 0]],
             lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
             warp_bases=[[0, 0, 64], [0, 1, 0], [0, 2, 0]], block_bases=[], shape=[16, 4, TILE])
-        # the four scales of each key, in the score tile's row distribution
         SC_L: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [8, 0]],
             lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
             warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, 4])
-        # gathers: 16 / 8 / 2 threads a row (256 / 128 / 16 contiguous bytes per instruction)
-        G8: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [8, 1], [1, 0])
-        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-        GS: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [4, 2], [1, 0])
-        GQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-        SH16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        SHP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HN, element_bitwidth=16, rank=2)
-        SH8: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
-        SHS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
-
-        i_t = gl.program_id(0)
-        i_s = gl.program_id(1)
-        i_t64 = i_t.to(gl.int64)
-        n_len = TOPK
-        if HAS_LEN:
-            n_len = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
-        k_lo = i_s * CHUNK
-        k_hi = gl.minimum(k_lo + CHUNK, n_len)
-
-        # q^T: latent to fp16 exactly after a per-head power of two, columns permuted (_perm_col);
-        # rope stays bf16
-        o_hq = gl.arange(0, HN, layout=gl.SliceLayout(1, GQ))
-        m_hq = (o_hq < H)[:, None]
-        p_q = q_ptr + i_t64 * stride_qt + o_hq[:, None] * stride_qh
-        o_lq = _perm_col(gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GQ)))
-        b_ql = gl.load(p_q + o_lq[None, :], mask=m_hq, other=0.0).to(gl.float32)
-        o_rq = D_LAT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, GQ))
-        b_qr = gl.load(p_q + o_rq[None, :], mask=m_hq, other=0.0)
-        b_amax = gl.max(gl.abs(b_ql), 1)
-        b_fq = gl.where(b_amax > 0, _pow2_at_least(gl.maximum(b_amax, 1e-30)) * (1.0 / 16384.0), 1.0)
-        s_ql = gl.allocate_shared_memory(gl.float16, [HN, D_LAT], SH16, (b_ql / b_fq[:, None]).to(gl.float16))
-        s_qr = gl.allocate_shared_memory(gl.bfloat16, [HN, ROPE], SH16, b_qr)
-        b_fq = gl.convert_layout(b_fq, COL_S)
-
-        s_b8 = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, D_LAT], SH8)
-        s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, ROPE], SH16)
-        s_sc = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, 4], SHS)
-        s_p = gl.allocate_shared_memory(gl.float16, [BLOCK_N, HN], SHP)
-
-        n_blk = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BLOCK_N)
-        p_idx = idx_ptr + i_t64 * stride_it
         o_ns = gl.arange(0, BLOCK_N, layout=ROW_S)
-        b_i8, b_ir, b_is = _load_idx(p_idx, k_lo, k_hi, BLOCK_N, G8, GR, GS)
-        _copy_block(cache_ptr, b_i8, b_ir, b_is, num_slots, block_size, stride_cb, stride_cr, s_b8.index(0),
-                    s_kr.index(0), s_sc.index(0), G8, GR, GS, DENSE, BS_SHIFT, D_LAT, ROPE, ROPE_OFF, SCALE_OFF)
-        b_i8, b_ir, b_is = _load_idx(p_idx, k_lo + BLOCK_N, k_hi, BLOCK_N, G8, GR, GS)
-
         zs = gl.zeros([BLOCK_N, HN], gl.float32, S_L)
         b_m = gl.full([HN], float("-inf"), gl.float32, COL_S)
-        b_l = gl.zeros([BLOCK_N, HN], gl.float32, S_L)  # per-thread partial row sums
+        b_l = gl.zeros([BLOCK_N, HN], gl.float32, S_L)
         b_o = gl.zeros([D_LAT, HN], gl.float32, S_L)
-        b_r = 2.0 ** -126
+        b_r = gl.to_tensor(2.0 ** -126)
         o_c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
         for i in range(n_blk):
             buf = i % 2
-            gl.thread_barrier()
-            _copy_block(cache_ptr, b_i8, b_ir, b_is, num_slots, block_size, stride_cb, stride_cr,
-                        s_b8.index(1 - buf), s_kr.index(1 - buf), s_sc.index(1 - buf), G8, GR, GS, DENSE,
-                        BS_SHIFT, D_LAT, ROPE, ROPE_OFF, SCALE_OFF)
-            b_i8, b_ir, b_is = _load_idx(p_idx, k_lo + (i + 2) * BLOCK_N, k_hi, BLOCK_N, G8, GR, GS)
             o_n = k_lo + i * BLOCK_N + o_ns
             b_col = gl.load(p_idx + o_n, mask=o_n < k_hi, other=-1)
             m_n = (b_col >= 0) & (b_col < num_slots)
 
-            cp.wait_group(1)
-            gl.thread_barrier()
+            mbarrier.wait(full.index(buf), (i // 2) & 1)
+            hopper.fence_async_shared()
             sb = s_b8.index(buf)
             # scores: rope (bf16, shared-memory operand) and the four latent tiles (register
             # operands); with 16 heads the next tile's chain is issued before this one is waited
@@ -314,7 +283,75 @@ if _GLUON:
                 b_o = hopper.warpgroup_mma(xv, s_p.slice(16 * j, 16, dim=0), b_o, is_async=True)
                 b_o, xv = hopper.warpgroup_mma_wait(1, deps=[b_o, xv])
             b_o = hopper.warpgroup_mma_wait(0, deps=[b_o])
-        cp.wait_group(0)
+            mbarrier.arrive(empty.index(buf))
+        return b_o, b_l, b_m, b_r
+
+    @gluon.jit
+    def sparse_mla_decode_sm90_kn_kernel(
+        q_ptr, cache_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
+        H, TOPK, CHUNK, NUM_HB, NUM_SPLITS, num_slots, block_size,
+        stride_qt, stride_qh, stride_cb, stride_cr, stride_it, stride_ot, stride_oh,
+        qk_scale,
+        DENSE: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr, ROPE: gl.constexpr,
+        SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, BS_SHIFT: gl.constexpr,
+    ):
+        gl.static_assert(BLOCK_N == 128)
+        gl.static_assert(TILE == 128)
+        HN: gl.constexpr = BLOCK_H
+        D_LAT: gl.constexpr = 4 * TILE
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HN, 16])
+        GQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        SH16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SHP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HN, element_bitwidth=16, rank=2)
+        SH8: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+        SHS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+
+        i_t = gl.program_id(0)
+        i_s = gl.program_id(1)
+        i_t64 = i_t.to(gl.int64)
+        n_len = TOPK
+        if HAS_LEN:
+            n_len = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
+        k_lo = i_s * CHUNK
+        k_hi = gl.minimum(k_lo + CHUNK, n_len)
+
+        # q^T: latent to fp16 exactly after a per-head power of two, columns permuted (_perm_col);
+        # rope stays bf16
+        o_hq = gl.arange(0, HN, layout=gl.SliceLayout(1, GQ))
+        m_hq = (o_hq < H)[:, None]
+        p_q = q_ptr + i_t64 * stride_qt + o_hq[:, None] * stride_qh
+        o_lq = _perm_col(gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GQ)))
+        b_ql = gl.load(p_q + o_lq[None, :], mask=m_hq, other=0.0).to(gl.float32)
+        o_rq = D_LAT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, GQ))
+        b_qr = gl.load(p_q + o_rq[None, :], mask=m_hq, other=0.0)
+        b_amax = gl.max(gl.abs(b_ql), 1)
+        b_fq = gl.where(b_amax > 0, _pow2_at_least(gl.maximum(b_amax, 1e-30)) * (1.0 / 16384.0), 1.0)
+        s_ql = gl.allocate_shared_memory(gl.float16, [HN, D_LAT], SH16, (b_ql / b_fq[:, None]).to(gl.float16))
+        s_qr = gl.allocate_shared_memory(gl.bfloat16, [HN, ROPE], SH16, b_qr)
+        b_fq = gl.convert_layout(b_fq, COL_S)
+
+        s_b8 = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, D_LAT], SH8)
+        s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, ROPE], SH16)
+        s_sc = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, 4], SHS)
+        s_p = gl.allocate_shared_memory(gl.float16, [BLOCK_N, HN], SHP)
+
+        n_blk = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BLOCK_N)
+        p_idx = idx_ptr + i_t64 * stride_it
+        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(full.index(b), count=128)
+            mbarrier.init(empty.index(b), count=1)  # Gluon: a partition barrier, then one thread arrives
+        b_o, b_l, b_m, b_r = gl.warp_specialize(
+            [(_consumer, (s_b8, s_kr, s_sc, s_p, s_ql, s_qr, full, empty, p_idx, k_lo, k_hi, n_blk, num_slots,
+                          b_fq, qk_scale, HN, BLOCK_N, TILE, D_LAT)),
+             (_producer, (cache_ptr, p_idx, k_lo, k_hi, n_blk, num_slots, block_size, stride_cb, stride_cr,
+                          s_b8, s_kr, s_sc, full, empty, DENSE, BS_SHIFT, BLOCK_N, D_LAT, ROPE, ROPE_OFF,
+                          SCALE_OFF))],
+            [4], [48])
 
         b_lt = gl.sum(b_l, 0)
         b_has = b_lt > 0
