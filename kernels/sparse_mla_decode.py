@@ -12,9 +12,11 @@ accumulator kept in units of R_t). bf16 cache: bf16 operands, P split into bf16 
 Either way P reaches the tensor cores to ~2^-11 or better: a bf16 P (2^-9) misses the tests'
 2/128 where outputs cancel. Scores live in the log2 domain (scale * log2(e) folded in).
 
-On Hopper, fp8 caches with more than 32 heads go to a Gluon kernel with the same arithmetic
-(kernels/_sparse_mla_decode_sm90.py: 64-head wgmma tiles, score tile split over the warpgroups,
-row bytes gathered a step ahead); this one serves everything else.
+On Hopper, fp8 caches go to Gluon kernels with the same contract: more than 32 heads to
+kernels/_sparse_mla_decode_sm90.py (64-head wgmma tiles, score tile split over the warpgroups, row
+bytes gathered a step ahead), up to 32 heads to kernels/_sparse_mla_decode_sm90_kn.py (keys on the
+wgmma M, K and V^T register operands built from the bytes, a producer warpgroup gathering); this
+one serves everything else.
 
 When T x head blocks cannot fill the GPU, topk is split across programs and a second kernel
 merges the partial (out, lse) pairs (kernels.merge.merge_step). The split count comes from
