@@ -67,12 +67,17 @@ if _GLUON:
     _pow2_at_least = gluon.jit(pow2_at_least.fn)
 
     @gluon.jit
-    def _row_ptrs(cache_ptr, b_idx, num_slots, block_size, stride_cb, stride_cr, DENSE: gl.constexpr):
+    def _row_ptrs(cache_ptr, b_idx, num_slots, block_size, stride_cb, stride_cr, DENSE: gl.constexpr,
+                  BS_SHIFT: gl.constexpr = -1):
         # byte pointer of each slot's row (64-bit offsets: a cache may pass 2 GB) and its validity;
-        # rows start on 16 bytes (usable() checked the base and both strides)
+        # rows start on 16 bytes (usable() checked the base and both strides). BS_SHIFT >= 0: the
+        # block size is 2^BS_SHIFT (shifts instead of an integer division)
         m = (b_idx >= 0) & (b_idx < num_slots)
         if DENSE:
             row = b_idx.to(gl.int64) * stride_cr
+        elif BS_SHIFT >= 0:
+            row = ((b_idx >> BS_SHIFT).to(gl.int64) * stride_cb
+                   + (b_idx & ((1 << BS_SHIFT) - 1)).to(gl.int64) * stride_cr)
         else:
             row = (b_idx // block_size).to(gl.int64) * stride_cb + (b_idx % block_size).to(gl.int64) * stride_cr
         return gl.multiple_of(cache_ptr + row, 16), m

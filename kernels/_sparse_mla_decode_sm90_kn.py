@@ -44,7 +44,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from kernels._sparse_mla_decode_sm90 import _pow2_at_least
+    from kernels._sparse_mla_decode_sm90 import _pow2_at_least, _row_ptrs
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -100,21 +100,6 @@ if _GLUON:
         # dims (one 8-byte load per key), its lane group and warp pick which eight
         return (((m >> 3) & 1) | (((m >> 7) & 1) << 1) | (((m >> 8) & 1) << 2)
                 | ((m & 7) << 3) | (((m >> 4) & 7) << 6))
-
-    @gluon.jit
-    def _row_ptrs(cache_ptr, b_idx, num_slots, block_size, stride_cb, stride_cr, DENSE: gl.constexpr,
-                  BS_SHIFT: gl.constexpr):
-        # byte pointer of each slot's row (64-bit offsets) and its validity; BS_SHIFT >= 0: the block
-        # size is 2^BS_SHIFT (shifts instead of an integer division)
-        m = (b_idx >= 0) & (b_idx < num_slots)
-        if DENSE:
-            row = b_idx.to(gl.int64) * stride_cr
-        elif BS_SHIFT >= 0:
-            row = ((b_idx >> BS_SHIFT).to(gl.int64) * stride_cb
-                   + (b_idx & ((1 << BS_SHIFT) - 1)).to(gl.int64) * stride_cr)
-        else:
-            row = (b_idx // block_size).to(gl.int64) * stride_cb + (b_idx % block_size).to(gl.int64) * stride_cr
-        return gl.multiple_of(cache_ptr + row, 16), m
 
     @gluon.jit
     def _load_idx(p_idx, k, k_hi, BLOCK_N: gl.constexpr, G8: gl.constexpr, GR: gl.constexpr,
