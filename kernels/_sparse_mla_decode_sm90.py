@@ -22,9 +22,8 @@ Where a step's time goes: docs/notes/sparse_mla_decode.md.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from kernels import _decode_math as _dm
 from kernels._device import sm90_gluon
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
@@ -42,17 +41,6 @@ NUM_WARPS = 8
 OCCUPANCY = 1  # programs per SM, for the split rule
 
 
-@triton.jit
-def pow2_at_least(x):
-    """Smallest power of two >= x for finite x > 0 (fp32, exact: built from the exponent bits).
-    Shared by the Triton decode kernel and, recompiled as Gluon, this one."""
-    b = x.to(tl.int32, bitcast=True)
-    e = (b >> 23) & 0xFF
-    e = tl.where((b & 0x7FFFFF) != 0, e + 1, e)
-    e = tl.minimum(tl.maximum(e, 1), 254)
-    return (e << 23).to(tl.float32, bitcast=True)
-
-
 def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether this kernel serves these inputs: Gluon kernels may run on their device
     (`sm90_gluon`), and cache rows start on 16 bytes (16-byte cp.async)."""
@@ -61,10 +49,12 @@ def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 if _GLUON:
-    _LN2 = gl.constexpr(0.6931471805599453)
-
-    # the Triton helper, compiled as Gluon (it uses only layout-free elementwise ops)
-    _pow2_at_least = gluon.jit(pow2_at_least.fn)
+    # the Triton kernel's layout-free helpers, compiled as Gluon
+    _pow2_at_least = gluon.jit(_dm.pow2_at_least.fn)
+    _head_f16_factor = gluon.jit(_dm.head_f16_factor.fn)
+    _split_range = gluon.jit(_dm.split_range.fn)
+    _finish_rows = gluon.jit(_dm.finish_rows.fn)
+    _sink_factor = gluon.jit(_dm.sink_factor.fn)
 
     @gluon.jit
     def _row_ptrs(cache_ptr, b_idx, num_slots, block_size, stride_cb, stride_cr, DENSE: gl.constexpr,
@@ -141,11 +131,7 @@ if _GLUON:
         i_t = i_p // NUM_HB
         i_hb = i_p % NUM_HB
         i_t64 = i_t.to(gl.int64)
-        n_len = TOPK
-        if HAS_LEN:
-            n_len = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
-        k_lo = i_s * CHUNK
-        k_hi = gl.minimum(k_lo + CHUNK, n_len)
+        k_lo, k_hi = _split_range(len_ptr, i_t, i_s, TOPK, CHUNK, HAS_LEN)
 
         # q: latent to fp16 exactly after a per-head power-of-two scaling, rope stays bf16
         o_hg = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_G)
@@ -155,7 +141,7 @@ if _GLUON:
         b_ql = gl.load(p_q + o_lg[None, :], mask=(o_hg < H)[:, None], other=0.0).to(gl.float32)
         b_qr = gl.load(p_q + o_rg[None, :], mask=(o_hg < H)[:, None], other=0.0)
         b_amax = gl.max(gl.abs(b_ql), 1)
-        b_fq = gl.where(b_amax > 0, _pow2_at_least(gl.maximum(b_amax, 1e-30)) * (1.0 / 16384.0), 1.0)
+        b_fq = _head_f16_factor(b_amax)
         b_q16 = (b_ql / b_fq[:, None]).to(gl.float16)
         s_ql = gl.allocate_shared_memory(gl.float16, [BLOCK_H, D_LAT], SH16, b_q16)
         s_qr = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], SH16, b_qr)
@@ -254,16 +240,12 @@ if _GLUON:
             b_o3 = hopper.warpgroup_mma_wait(0, deps=[t3])
         cp.wait_group(0)
 
-        b_has = b_l > 0
-        b_inv = gl.where(b_has, 1.0 / gl.where(b_has, b_l, 1.0), 0.0)
-        b_lse = gl.where(b_has, (b_m + gl.log2(gl.where(b_has, b_l, 1.0))) * _LN2, float("-inf"))
+        b_inv, b_lse = _finish_rows(b_l, b_m)
         o_hs = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
         m_hs = o_hs < H
         if not SPLIT:
             if HAS_SINK:
-                b_sink = gl.load(sink_ptr + o_hs, mask=m_hs, other=0.0)
-                f = 1.0 / (1.0 + gl.exp(b_sink - gl.where(b_lse == float("-inf"), 0.0, b_lse)))
-                b_inv = b_inv * gl.where(b_lse == float("-inf"), 0.0, f)
+                b_inv = b_inv * _sink_factor(sink_ptr, o_hs, m_hs, b_lse)
         inv_o = gl.convert_layout(b_inv, ROW_O)
         o_ho = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
         m_ho = (o_ho < H)[:, None]

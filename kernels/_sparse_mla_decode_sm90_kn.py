@@ -44,7 +44,8 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from kernels._sparse_mla_decode_sm90 import _pow2_at_least, _row_ptrs
+    from kernels._sparse_mla_decode_sm90 import (_finish_rows, _head_f16_factor, _pow2_at_least, _row_ptrs,
+                                                 _sink_factor, _split_range)
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -68,15 +69,14 @@ def bs_shift(block_size: int) -> int:
 
 
 def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether this kernel serves these inputs: Gluon kernels may run on their device
-    (`sm90_gluon`), H <= 32, and cache rows start on 16 bytes (16-byte cp.async)."""
-    return (q.shape[1] <= MAX_HEADS and sm90_gluon(q.device) and cache.data_ptr() % 16 == 0
-            and cache.stride(0) % 16 == 0 and cache.stride(1) % 16 == 0)
+    """Whether this kernel may serve these inputs (the caller picks it for H <= MAX_HEADS): Gluon
+    kernels may run on their device (`sm90_gluon`), and cache rows start on 16 bytes (16-byte
+    cp.async)."""
+    return (sm90_gluon(q.device) and cache.data_ptr() % 16 == 0 and cache.stride(0) % 16 == 0
+            and cache.stride(1) % 16 == 0)
 
 
 if _GLUON:
-    _LN2 = gl.constexpr(0.6931471805599453)
-
     @gluon.jit
     def _fp8_to_f16(x):
         # e4m3 bytes -> fp16, exact (F2FP, two bytes per instruction)
@@ -297,11 +297,7 @@ if _GLUON:
         i_t = gl.program_id(0)
         i_s = gl.program_id(1)
         i_t64 = i_t.to(gl.int64)
-        n_len = TOPK
-        if HAS_LEN:
-            n_len = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
-        k_lo = i_s * CHUNK
-        k_hi = gl.minimum(k_lo + CHUNK, n_len)
+        k_lo, k_hi = _split_range(len_ptr, i_t, i_s, TOPK, CHUNK, HAS_LEN)
 
         # q^T: latent to fp16 exactly after a per-head power of two, columns permuted (_perm_col);
         # rope stays bf16
@@ -313,7 +309,7 @@ if _GLUON:
         o_rq = D_LAT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, GQ))
         b_qr = gl.load(p_q + o_rq[None, :], mask=m_hq, other=0.0)
         b_amax = gl.max(gl.abs(b_ql), 1)
-        b_fq = gl.where(b_amax > 0, _pow2_at_least(gl.maximum(b_amax, 1e-30)) * (1.0 / 16384.0), 1.0)
+        b_fq = _head_f16_factor(b_amax)
         s_ql = gl.allocate_shared_memory(gl.float16, [HN, D_LAT], SH16, (b_ql / b_fq[:, None]).to(gl.float16))
         s_qr = gl.allocate_shared_memory(gl.bfloat16, [HN, ROPE], SH16, b_qr)
         b_fq = gl.convert_layout(b_fq, COL_S)
@@ -338,17 +334,12 @@ if _GLUON:
                           SCALE_OFF))],
             [4], [48])
 
-        b_lt = gl.sum(b_l, 0)
-        b_has = b_lt > 0
-        b_inv = gl.where(b_has, 1.0 / gl.where(b_has, b_lt, 1.0), 0.0)
-        b_lse = gl.where(b_has, (b_m + gl.log2(gl.where(b_has, b_lt, 1.0))) * _LN2, float("-inf"))
+        b_inv, b_lse = _finish_rows(gl.sum(b_l, 0), b_m)
         o_h = gl.arange(0, HN, layout=COL_S)
         m_h = o_h < H
         if not SPLIT:
             if HAS_SINK:
-                b_sink = gl.load(sink_ptr + o_h, mask=m_h, other=0.0)
-                f = 1.0 / (1.0 + gl.exp(b_sink - gl.where(b_lse == float("-inf"), 0.0, b_lse)))
-                b_inv = b_inv * gl.where(b_lse == float("-inf"), 0.0, f)
+                b_inv = b_inv * _sink_factor(sink_ptr, o_h, m_h, b_lse)
         b_o = b_o * (b_inv * b_r)[None, :]
         o_d = _perm_dim(gl.arange(0, D_LAT, layout=ROW_S))
         if SPLIT:

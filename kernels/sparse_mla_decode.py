@@ -34,13 +34,13 @@ import triton.language as tl
 
 from kernels import _sparse_mla_decode_sm90 as _sm90
 from kernels import _sparse_mla_decode_sm90_kn as _kn
+from kernels._decode_math import finish_rows, head_f16_factor, pow2_at_least, sink_factor, split_range
 from kernels.merge import merge_finish, merge_step
 from kernels._device import num_sms
 from quant._validate import check_same_device, check_tensor, fail
 from quant.mla_formats import BF16_MLA, FP8_DS_MLA, mla_format_of
 
 LOG2E = 1.4426950408889634  # host: softmax scale -> log2-domain scale
-_LN2 = tl.constexpr(0.6931471805599453)  # kernel: log2-domain lse -> natural log
 MAX_HEADS = 128
 
 # No @triton.autotune here: autotuning benchmarks on the first call, which cannot happen inside
@@ -48,7 +48,6 @@ MAX_HEADS = 128
 # Configs are picked by `_pick_config` from a table measured on an H200 (scratch/decode/NOTES.md).
 
 
-_pow2_at_least = _sm90.pow2_at_least
 
 
 @triton.jit
@@ -113,11 +112,7 @@ def sparse_mla_decode_kernel(
     i_hb = i_p % NUM_HB
     i_t64 = i_t.to(tl.int64)
 
-    n_len = TOPK
-    if HAS_LEN:
-        n_len = tl.minimum(tl.maximum(tl.load(len_ptr + i_t), 0), TOPK)
-    k_lo = i_s * CHUNK
-    k_hi = tl.minimum(k_lo + CHUNK, n_len)
+    k_lo, k_hi = split_range(len_ptr, i_t, i_s, TOPK, CHUNK, HAS_LEN)
 
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
@@ -134,7 +129,7 @@ def sparse_mla_decode_kernel(
         # each head by a power of two that puts its |max| in (2^13, 2^14]
         b_amax = tl.maximum(tl.maximum(tl.max(tl.abs(b_q0.to(tl.float32)), 1), tl.max(tl.abs(b_q1.to(tl.float32)), 1)),
                             tl.maximum(tl.max(tl.abs(b_q2.to(tl.float32)), 1), tl.max(tl.abs(b_q3.to(tl.float32)), 1)))
-        b_fq = tl.where(b_amax > 0, _pow2_at_least(tl.maximum(b_amax, 1e-30)) * (1.0 / 16384.0), 1.0)
+        b_fq = head_f16_factor(b_amax)
         b_q0 = (b_q0.to(tl.float32) / b_fq[:, None]).to(tl.float16)
         b_q1 = (b_q1.to(tl.float32) / b_fq[:, None]).to(tl.float16)
         b_q2 = (b_q2.to(tl.float32) / b_fq[:, None]).to(tl.float16)
@@ -202,7 +197,7 @@ def sparse_mla_decode_kernel(
         if FP8:
             # fp16 P_t = P * s_t / R_t in [0, 1] with R_t a power of two >= every tile-t scale so
             # far; the accumulator of tile t is kept in units of R_t
-            b_n = tl.maximum(b_r, _pow2_at_least(tl.max(b_sv, 0) + 1e-38))
+            b_n = tl.maximum(b_r, pow2_at_least(tl.max(b_sv, 0) + 1e-38))
             grow = grow | tl.max(tl.where(b_n > b_r, 1, 0), 0)
             b_f0, b_f1, b_f2, b_f3 = _split4(b_r / b_n)
             b_n0, b_n1, b_n2, b_n3 = _split4(b_n)
@@ -227,9 +222,7 @@ def sparse_mla_decode_kernel(
             b_o2 = _pv(b_o2, b_p, b_k2, FP8)
             b_o3 = _pv(b_o3, b_p, b_k3, FP8)
 
-    b_has = b_l > 0
-    b_inv = tl.where(b_has, 1.0 / tl.where(b_has, b_l, 1.0), 0.0)
-    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * _LN2, float("-inf"))
+    b_inv, b_lse = finish_rows(b_l, b_m)
     if FP8:
         b_r0, b_r1, b_r2, b_r3 = _split4(b_r)
         b_o0 = b_o0 * b_r0
@@ -246,7 +239,7 @@ def sparse_mla_decode_kernel(
         tl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_h, b_lse, mask=m_h)
     else:
         if HAS_SINK:
-            b_inv = b_inv * _sink_factor(sink_ptr, o_h, m_h, b_lse)
+            b_inv = b_inv * sink_factor(sink_ptr, o_h, m_h, b_lse)
         p_o = out_ptr + i_t64 * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
         ty = out_ptr.dtype.element_ty
         tl.store(p_o + 0 * TILE, (b_o0 * b_inv[:, None]).to(ty), mask=m_h[:, None])
@@ -254,14 +247,6 @@ def sparse_mla_decode_kernel(
         tl.store(p_o + 2 * TILE, (b_o2 * b_inv[:, None]).to(ty), mask=m_h[:, None])
         tl.store(p_o + 3 * TILE, (b_o3 * b_inv[:, None]).to(ty), mask=m_h[:, None])
         tl.store(lse_ptr + i_t64 * H + o_h, b_lse, mask=m_h)
-
-
-@triton.jit
-def _sink_factor(sink_ptr, o_h, m_h, b_lse):
-    """exp(lse) / (exp(lse) + exp(sink)) per head; 0 for an empty row (lse = -inf), any sink."""
-    b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=0.0)
-    f = 1.0 / (1.0 + tl.exp(b_sink - tl.where(b_lse == float("-inf"), 0.0, b_lse)))
-    return tl.where(b_lse == float("-inf"), 0.0, f)
 
 
 @triton.jit
@@ -285,7 +270,7 @@ def sparse_mla_decode_merge_kernel(
         acc, m_i, l_i = merge_step(acc, m_i, l_i, b_out, b_lse)
     b_o, b_lse = merge_finish(acc, m_i, l_i)
     if HAS_SINK:
-        b_o = b_o * _sink_factor(sink_ptr, o_h, m_h, b_lse)[:, None]
+        b_o = b_o * sink_factor(sink_ptr, o_h, m_h, b_lse)[:, None]
     tl.store(out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :],
              b_o.to(out_ptr.dtype.element_ty), mask=m_h[:, None])
     tl.store(lse_ptr + i_t * H + o_h, b_lse, mask=m_h)
@@ -357,7 +342,7 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, *, config=Non
     # Hopper, fp8 cache, more than 32 heads: the Gluon kernel (64-head wgmma tiles); a pinned
     # config (tests, sweeps) always means the Triton kernel
     sm90 = is_fp8 and H > 32 and not config and _sm90.usable(q, cache)
-    kn = is_fp8 and H <= 32 and not config and _kn.usable(q, cache)
+    kn = is_fp8 and H <= _kn.MAX_HEADS and not config and _kn.usable(q, cache)
     if sm90:
         cfg = dict(BLOCK_H=_sm90.BLOCK_H, BLOCK_N=_sm90.BLOCK_N, occupancy=_sm90.OCCUPANCY,
                    one_round=True)

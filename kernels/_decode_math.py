@@ -1,0 +1,54 @@
+"""Layout-free pieces shared by the sparse decode kernels: the Triton kernel uses them as they are,
+the Gluon (sm_90) kernels recompile them with `gluon.jit(fn.fn)` (elementwise and scalar code
+only, so they mean the same in both languages)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_LN2 = tl.constexpr(0.6931471805599453)  # log2-domain lse -> natural log
+
+
+@triton.jit
+def pow2_at_least(x):
+    """Smallest power of two >= x for finite x > 0 (fp32, exact: built from the exponent bits)."""
+    b = x.to(tl.int32, bitcast=True)
+    e = (b >> 23) & 0xFF
+    e = tl.where((b & 0x7FFFFF) != 0, e + 1, e)
+    e = tl.minimum(tl.maximum(e, 1), 254)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def head_f16_factor(b_amax):
+    """Per head, the power of two f with |q| / f in (2^13, 2^14]: q / f is exact in fp16 (1 for
+    an all-zero head)."""
+    return tl.where(b_amax > 0, pow2_at_least(tl.maximum(b_amax, 1e-30)) * (1.0 / 16384.0), 1.0)
+
+
+@triton.jit
+def split_range(len_ptr, i_t, i_s, TOPK, CHUNK, HAS_LEN: tl.constexpr):
+    """[k_lo, k_hi): the indices split i_s of token i_t owns, cut at its topk_length."""
+    n_len = TOPK
+    if HAS_LEN:
+        n_len = tl.minimum(tl.maximum(tl.load(len_ptr + i_t), 0), TOPK)
+    k_lo = i_s * CHUNK
+    return k_lo, tl.minimum(k_lo + CHUNK, n_len)
+
+
+@triton.jit
+def finish_rows(b_l, b_m):
+    """From the running sum and max (log2 domain): 1 / sum (0 for an empty row) and the
+    natural-log lse (-inf for an empty row)."""
+    b_has = b_l > 0
+    b_inv = tl.where(b_has, 1.0 / tl.where(b_has, b_l, 1.0), 0.0)
+    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * _LN2, float("-inf"))
+    return b_inv, b_lse
+
+
+@triton.jit
+def sink_factor(sink_ptr, o_h, m_h, b_lse):
+    """exp(lse) / (exp(lse) + exp(sink)) per head; 0 for an empty row (lse = -inf), any sink."""
+    b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=0.0)
+    f = 1.0 / (1.0 + tl.exp(b_sink - tl.where(b_lse == float("-inf"), 0.0, b_lse)))
+    return tl.where(b_lse == float("-inf"), 0.0, f)
