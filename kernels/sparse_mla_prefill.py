@@ -24,15 +24,16 @@ scale). Per block of rows:
 - heads are the M of the dots: 64-head blocks run Hopper wgmma (M = 64 per warpgroup), 16- and
   32-head blocks mma.sync, so a small head count pays for no padding to 64.
 
-On Hopper, 64-head blocks (H > 32) go to a Gluon kernel instead (kernels/_sparse_mla_prefill_sm90.py:
-score tile split over the two warpgroups, the next rows' gather issued a whole step ahead), when
-the kv rows start on 16 bytes; this kernel serves everything else (other GPUs, H <= 32, the
-interpreter, OPENMLA_SM90_GLUON=0).
+On Hopper (Gluon available, kv rows on 16 bytes) two Gluon kernels take over: H <= 32 runs with
+keys on the wgmma M, warp-specialised (kernels/_sparse_mla_prefill_sm90_kn.py), H > 32 in 64-head
+blocks (kernels/_sparse_mla_prefill_sm90.py: score tile split over the two warpgroups, the next
+rows' gather issued a whole step ahead). This kernel serves everything else (other GPUs, the
+interpreter, OPENMLA_SM90_GLUON=0, unaligned rows).
 
-Measured on an H200, 2026-11-22 (tools/bench.py): 4096 tokens, 32768 rows, topk 2048: 2.23 ms at
-H = 16, 3.21 ms at H = 32 (this kernel), 3.13 ms at H = 64, 6.16 ms at H = 128 (the Gluon kernel;
-this one: 4.94 / 9.42). FlashMLA: 2.33 / 2.17 / 2.17 / 4.19. Notes and the variants tried:
-docs/notes/sparse_mla_prefill.md.
+Measured on an H200, 2026-11-22 (tools/bench.py): 4096 tokens, 32768 rows, topk 2048: see
+docs/benchmarks.md (H = 16 / 32 with the keys-on-M kernel: ~1.65 / ~2.32 ms in its prototype
+runs; this kernel 2.23 / 3.21; H = 64 / 128: 3.13 / 6.16 ms, this kernel 4.94 / 9.42). FlashMLA:
+2.33 / 2.17 / 2.17 / 4.19. Notes and the variants tried: docs/notes/sparse_mla_prefill.md.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import triton
 import triton.language as tl
 
 from kernels import _sparse_mla_prefill_sm90 as _sm90
+from kernels import _sparse_mla_prefill_sm90_kn as _kn
 from quant._validate import check_same_device, check_tensor, fail
 from quant.mla_formats import BF16_MLA
 
@@ -234,9 +236,10 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink):
     if T == 0 or H == 0:
         return out, max_logits, lse
     block_h = _block_h(H)
-    if block_h == _sm90.BLOCK_H and _sm90.usable(q, kv):
-        _sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
-                     D_LAT, D_ROPE)
+    if _sm90.usable(q, kv):  # Hopper with Gluon, 16-byte rows
+        sm90 = _kn if H <= _kn.MAX_HEADS else _sm90
+        sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
+                    D_LAT, D_ROPE)
         return out, max_logits, lse
     num_hb = triton.cdiv(H, block_h)
     # Unused pointer arguments get a tensor of the right kind; the kernel never reads them.

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kernels import _sparse_mla_prefill_sm90 as sm90
+from kernels import _sparse_mla_prefill_sm90_kn as sm90_kn
 from kernels._device import sm90_gluon
 from kernels.reference import sparse_mla_ref
 from kernels.sparse_mla_prefill import sparse_mla_prefill
@@ -194,6 +195,9 @@ TRITON_PATH = [
     pytest.param(Case(T=32, H=64, topk=2048, N=8000, invalid=0.3), id="T32-H64-topk2048-invalid"),
     pytest.param(Case(T=9, H=100, topk=300, N=3000, invalid=0.2, lengths=True, sink=True),
                  id="T9-H100-topk300-lengths-sink"),
+    pytest.param(Case(T=40, H=16, topk=2048, N=5000), id="T40-H16-topk2048"),
+    pytest.param(Case(T=9, H=27, topk=300, N=3000, invalid=0.2, lengths=True, sink=True),
+                 id="T9-H27-topk300-lengths-sink"),
 ]
 
 
@@ -218,6 +222,23 @@ def test_sm90_kernel_compiles_without_spills():
     # what it is for: tensor-core wgmma and asynchronous 16-byte gathers (18 per thread per block
     # of 64 rows, issued in two places: before the loop and in it)
     assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] == 2 * 18, got
+
+
+@pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+@pytest.mark.parametrize("block_h", [16, 32])
+def test_sm90_kn_kernel_compiles(block_h):
+    """The keys-on-M Gluon kernel (H <= 32), compiled for sm_90a on the CPU: shared memory fits,
+    both consumers issue their wgmmas (rope 4 + latent 32 score steps, 8 x 4 value steps) and the
+    producer its 16-byte gathers (32 latent + 4 rope per thread per block of 64 rows). It spills a
+    few loop-invariant values at 32 heads (reloaded from L1): accepted, see the module docstring."""
+    got = compile_gluon_sm90(
+        "kernels._sparse_mla_prefill_sm90_kn", "sparse_mla_prefill_sm90_kn_kernel",
+        dict(HAS_LEN=True, HAS_SINK=True, OFF32=True, D_LAT=512, D_ROPE=64, BLOCK_H=block_h,
+             BLOCK_N=sm90_kn.BLOCK_N, C_REGS=sm90_kn.C_REGS),
+        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90_kn.NUM_WARPS)
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 128, got
+    assert got["hgmma"] == 2 * (4 + 32 + 32), got
+    assert got["ldgsts128"] == 32 + 4, got
 
 
 # ------------------------------------------------------------------------------------------------
