@@ -33,6 +33,8 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from kernels._prefill_math import finish_rows
+    _finish_rows = gluon.jit(finish_rows.fn)
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
@@ -164,14 +166,8 @@ if _GLUON:
             acc = hopper.warpgroup_mma_wait(0, deps=[t_o])
         cp.wait_group(0)
 
-        has = l_i > 0
-        lse = gl.where(has, m_i * scale + gl.log(gl.where(has, l_i, 1.0)), float("-inf"))
-        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
         o_hs = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
-        if HAS_SINK:
-            # out *= exp(lse) / (exp(lse) + exp(sink)), written so that neither exp overflows
-            b_sink = gl.load(sink_ptr + o_hs, mask=o_hs < H, other=float("-inf"))
-            inv = inv / (1.0 + gl.exp(b_sink - gl.where(has, lse, 0.0)))
+        inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_hs, o_hs < H, HAS_SINK)
         o_ho = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
         o_do = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, O_L))
         b_o = acc * gl.convert_layout(inv, ROW_O)[:, None]
@@ -182,12 +178,16 @@ if _GLUON:
 
 
 def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
-           d_lat, d_rope):
-    """Run the kernel on validated inputs into the given outputs (T >= 1, H >= 1)."""
+           d_lat, d_rope, kernel=None, block_h=BLOCK_H, **config):
+    """Run the kernel (or `kernel`, a Gluon prefill kernel with the same arguments: the keys-on-M
+    one passes itself, its head block and its `config`) on validated inputs into the given
+    outputs (T >= 1, H >= 1)."""
     T, H, _ = q.shape
     N, topk = kv.shape[0], indices.shape[1]
-    num_hb = triton.cdiv(H, BLOCK_H)
-    sparse_mla_prefill_sm90_kernel[(T * num_hb,)](
+    num_hb = triton.cdiv(H, block_h)
+    if kernel is None:
+        kernel, config = sparse_mla_prefill_sm90_kernel, dict(BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+    kernel[(T * num_hb,)](
         q, kv, indices,
         topk_length if topk_length is not None else indices,
         attn_sink if attn_sink is not None else lse,
@@ -197,5 +197,5 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
         scale, scale * log2e,
         HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
         OFF32=(N - 1) * kv.stride(0) + d_lat + d_rope < 2 ** 31,
-        D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, **config,
     )

@@ -32,10 +32,7 @@ does not fit next to q.
 """
 from __future__ import annotations
 
-import torch
-import triton
-
-from kernels._device import sm90_gluon
+from kernels import _sparse_mla_prefill_sm90 as _sm90
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
@@ -43,6 +40,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    from kernels._sparse_mla_prefill_sm90 import _finish_rows
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
@@ -246,15 +244,9 @@ if _GLUON:
         f_a = gl.exp2(m_a * scale_log2 - m_sh)
         f_b = gl.exp2(m_b * scale_log2 - m_sh)
         l_i = l_a * f_a + l_b * f_b
-        has = l_i > 0
-        lse = gl.where(has, m_i * scale + gl.log(gl.where(has, l_i, 1.0)), float("-inf"))
-        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
         o_h = i_hb * HN + gl.arange(0, HN, layout=COL_S)
         m_h = o_h < H
-        if HAS_SINK:
-            # out *= exp(lse) / (exp(lse) + exp(sink)), written so that neither exp overflows
-            b_sink = gl.load(sink_ptr + o_h, mask=m_h, other=float("-inf"))
-            inv = inv / (1.0 + gl.exp(b_sink - gl.where(has, lse, 0.0)))
+        inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h, HAS_SINK)
         # out = inv * (f_a O_a + f_b O_b), 64 dims at a time, 16-byte stores along the dims
         GO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         COL_O: gl.constexpr = gl.SliceLayout(1, GO)
@@ -275,21 +267,8 @@ if _GLUON:
 
 def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
            d_lat, d_rope):
-    """Run the kernel on validated inputs into the given outputs (T >= 1, 1 <= H <= MAX_HEADS)."""
-    T, H, _ = q.shape
-    N, topk = kv.shape[0], indices.shape[1]
-    bh = block_h(H)
-    num_hb = triton.cdiv(H, bh)
-    sparse_mla_prefill_sm90_kn_kernel[(T * num_hb,)](
-        q, kv, indices,
-        topk_length if topk_length is not None else indices,
-        attn_sink if attn_sink is not None else lse,
-        out, max_logits, lse,
-        H, N, topk, num_hb,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        scale, scale * log2e,
-        HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
-        OFF32=(N - 1) * kv.stride(0) + d_lat + d_rope < 2 ** 31,
-        D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=bh, BLOCK_N=BLOCK_N, C_REGS=C_REGS,
-        num_warps=NUM_WARPS,
-    )
+    """Run the kernel on validated inputs into the given outputs (T >= 1, 1 <= H <= MAX_HEADS),
+    through the 64-head kernel's launcher (same arguments)."""
+    _sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e, d_lat,
+                 d_rope, kernel=sparse_mla_prefill_sm90_kn_kernel, block_h=block_h(q.shape[1]),
+                 BLOCK_N=BLOCK_N, C_REGS=C_REGS, num_warps=NUM_WARPS)

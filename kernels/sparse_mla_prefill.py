@@ -46,6 +46,7 @@ import triton.language as tl
 
 from kernels import _sparse_mla_prefill_sm90 as _sm90
 from kernels import _sparse_mla_prefill_sm90_kn as _kn
+from kernels._prefill_math import finish_rows
 from quant._validate import check_same_device, check_tensor, fail
 from quant.mla_formats import BF16_MLA
 
@@ -208,13 +209,7 @@ def sparse_mla_prefill_kernel(
         acc_b = tl.dot(b_pv, b_kb, acc_b * alpha[:, None])
         m_i = m_new
 
-    has = l_i > 0
-    lse = tl.where(has, m_i * scale + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    if HAS_SINK:
-        # out *= exp(lse) / (exp(lse) + exp(sink)), written so that neither exp overflows
-        b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=float("-inf"))
-        inv = inv / (1.0 + tl.exp(b_sink - tl.where(has, lse, 0.0)))
+    inv, lse = finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h, HAS_SINK)
 
     p_o = out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh
     tl.store(p_o + o_a[None, :], (acc_a * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m_h[:, None])
