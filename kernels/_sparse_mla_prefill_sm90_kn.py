@@ -23,8 +23,8 @@ Shared memory: q 36 KB (HN 32) + 2 stages x 72 KB + P^T 2 x 4 KB + merge ~ 190 K
 per SM. Registers: 232 per consumer (the accumulator O^T alone is 128 at HN 32), 40 for the
 producer; at HN 32 a few loop-invariant values spill (40 bytes, reloaded from L1).
 
-Measured on an H200 (2026-11-22, scratch prototype, do_bench, 4096 tokens, 32768 rows, topk
-2048): H16 1.65 ms, H32 2.32 ms (Triton kernel 2.23 / 3.21; FlashMLA 2.33 / 2.17). What limits
+Measured on an H200 (2026-11-22, tools/bench.py, 4096 tokens, 32768 rows, topk 2048): H16
+1.64 ms, H32 2.32 ms (Triton kernel 2.23 / 3.21; FlashMLA 2.33 / 2.17). What limits
 H32, by difference: gathers only 1.32 ms, compute only (no gathers) 1.90 ms before the chain
 split; with two stages each consumer waits for its own next rows (compute and gather of one
 consumer do not overlap, only the two consumers overlap each other), and a third 72 KB stage
