@@ -14,21 +14,21 @@ Warp-specialised, three partitions of one warpgroup each:
   ones from stage 1), each with its own online softmax and O^T, so while one waits for its rows
   or runs its softmax the other's wgmmas keep the tensor cores busy (ping-pong). At the end
   consumer 1 hands (O^T, row sum, max) over through shared memory and consumer 0 merges.
-Scores run as two accumulator chains (rope + latent[:256] and latent[256:]) issued alternately
-one k16 step at a time: a single 36-step chain measured 2.64 ms at H = 32 (the score alone
-1.13 ms of it, against 0.25 ms for the 32 value steps, which have eight independent
-accumulators), two interleaved chains 2.32 ms; chains issued one after the other, or four, spilled
-and ran slower (3.1-3.9 ms).
+Scores run as two accumulator chains (rope + latent[:256] and latent[256:]) of separately issued
+k16 wgmmas, alternating. Measured at H = 32: one wgmma op over the whole K (36 steps) 2.64 ms (and
+41 spilled values reloaded in one consumer's loop); two chains of k16 ops 2.30-2.32 interleaved,
+2.34 one after the other; chains issued as one op each, or four chains, spilled more (464-648 B)
+and ran slower (3.1-3.9 ms). So it is the spills that cost, not the chain's latency.
 Shared memory: q 36 KB (HN 32) + 2 stages x 72 KB + P^T 2 x 4 KB + merge ~ 190 KB: one program
 per SM. Registers: 232 per consumer (the accumulator O^T alone is 128 at HN 32), 40 for the
 producer; at HN 32 a few loop-invariant values spill (40 bytes, reloaded from L1).
 
 Measured on an H200 (2026-11-22, tools/bench.py, 4096 tokens, 32768 rows, topk 2048): H16
-1.64 ms, H32 2.32 ms (Triton kernel 2.23 / 3.21; FlashMLA 2.33 / 2.17). What limits
-H32, by difference: gathers only 1.32 ms, compute only (no gathers) 1.90 ms before the chain
-split; with two stages each consumer waits for its own next rows (compute and gather of one
-consumer do not overlap, only the two consumers overlap each other), and a third 72 KB stage
-does not fit next to q.
+1.64 ms, H32 2.32 ms (Triton kernel 2.23 / 3.21; FlashMLA 2.33 / 2.17). What limits H32, by
+difference on the same kernel (scratch prototype, do_bench): without gathers 1.80 ms, gathers alone
+1.32 ms, together 2.32: only ~0.8 ms overlaps. With two stages each consumer waits for its own next
+rows after it released its stage (only the two consumers overlap each other), and a third 72 KB
+stage does not fit next to q.
 """
 from __future__ import annotations
 
@@ -121,8 +121,8 @@ if _GLUON:
             m_n = (b_col >= 0) & (b_col < N)
             mbarrier.wait(full.index(WG), j & 1)
             hopper.fence_async_shared()
-            # scores: two accumulator chains (rope + latent[:256], latent[256:]) issued alternately
-            # one k16 step at a time
+            # scores: two accumulator chains (rope + latent[:256], latent[256:]) of k16 wgmmas,
+            # alternating (one op over the whole K spilled: see the module docstring)
             t_0 = hopper.warpgroup_mma(s_rope, s_qr.permute((1, 0)), zs, use_acc=False, is_async=True)
             t_1 = zs
             for k in gl.static_range(D_LAT // 32):
