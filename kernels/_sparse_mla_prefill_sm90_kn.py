@@ -98,11 +98,13 @@ if _GLUON:
             cp.mbarrier_arrive(full.index(s), increment_count=False)
 
     @gluon.jit
-    def _consume(s_kl, s_kr, s_ql, s_qr, s_p, full, empty, p_idx, n_use, n_blk, N, scale_log2,
-                 WG: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr):
+    def _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N, scale_log2,
+                  WG: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr):
         # the blocks i = WG, WG + 2, ... from stage WG: scores, online softmax over the keys
         # (rows; a per-thread partial row sum, summed once at the end), values. m_i is the
-        # running max of the raw q.k (scale > 0)
+        # running max of the raw q.k (scale > 0). The state is left for the epilogue to merge:
+        # O^T in this stage's latent rows (this consumer was their last reader: the producer has
+        # no block left for them), max and row sum in s_ml
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, HN, 16])
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
@@ -149,32 +151,10 @@ if _GLUON:
             t_o = hopper.warpgroup_mma(s_lat.permute((1, 0)), s_pw, acc, is_async=True)
             acc = hopper.warpgroup_mma_wait(0, deps=[t_o])
             mbarrier.arrive(empty.index(WG))
-        return acc, gl.sum(l_i, 0), m_i
-
-    @gluon.jit
-    def _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N, scale_log2,
-                  WG: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr):
-        # the blocks of stage WG; O^T is left in that stage's latent rows (its last reader was this
-        # consumer: the producer has no block left for it), consumer 1's max and row sum in s_ml,
-        # consumer 0's returned; the epilogue merges the two
-        acc, l_i, m_i = _consume(s_kl, s_kr, s_ql, s_qr, s_p, full, empty, p_idx, n_use, n_blk, N,
-                                 scale_log2, WG, HN, BLOCK_N, D_LAT)
         SHO: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1])
         s_kl.index(WG)._reinterpret(gl.float32, [D_LAT, HN], SHO).store(acc)
         s_ml.slice(2 * WG, 1, dim=0).store(m_i[None, :])
-        s_ml.slice(2 * WG + 1, 1, dim=0).store(l_i[None, :])
-
-    @gluon.jit
-    def _consumer0(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N, scale_log2,
-                   HN: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr):
-        _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N, scale_log2,
-                  0, HN, BLOCK_N, D_LAT)
-
-    @gluon.jit
-    def _consumer1(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N, scale_log2,
-                   HN: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr):
-        _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N, scale_log2,
-                  1, HN, BLOCK_N, D_LAT)
+        s_ml.slice(2 * WG + 1, 1, dim=0).store(gl.sum(l_i, 0)[None, :])
 
     @gluon.jit
     def sparse_mla_prefill_sm90_kn_kernel(
@@ -190,7 +170,6 @@ if _GLUON:
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, HN, 16])
         COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         GQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         SHP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HN, element_bitwidth=16, rank=2)
@@ -227,10 +206,10 @@ if _GLUON:
         gl.warp_specialize(
             [(_producer, (kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
                           BLOCK_N, D_LAT, D_ROPE, OFF32)),
-             (_consumer0, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
-                           scale_log2, HN, BLOCK_N, D_LAT)),
-             (_consumer1, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
-                           scale_log2, HN, BLOCK_N, D_LAT))],
+             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
+                          scale_log2, 0, HN, BLOCK_N, D_LAT)),
+             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
+                          scale_log2, 1, HN, BLOCK_N, D_LAT))],
             [4, 4], [C_REGS, C_REGS])
 
         # merge the two consumers' states (every partition has finished: their shared-memory

@@ -48,8 +48,6 @@ MAX_HEADS = 128
 # Configs are picked by `_pick_config` from a table measured on an H200 (scratch/decode/NOTES.md).
 
 
-
-
 @triton.jit
 def _split4(x):
     """[..., 4] -> its four [...] slices (in registers when the 4 sit in one thread)."""

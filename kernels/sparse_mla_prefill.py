@@ -230,12 +230,12 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink):
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0 or H == 0:
         return out, max_logits, lse
-    block_h = _block_h(H)
     if _sm90.usable(q, kv):  # Hopper with Gluon, 16-byte rows
         sm90 = _kn if H <= _kn.MAX_HEADS else _sm90
         sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
                     D_LAT, D_ROPE)
         return out, max_logits, lse
+    block_h = _block_h(H)
     num_hb = triton.cdiv(H, block_h)
     # Unused pointer arguments get a tensor of the right kind; the kernel never reads them.
     len_arg = topk_length if topk_length is not None else indices

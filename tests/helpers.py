@@ -7,12 +7,18 @@ import os
 import pytest
 import torch
 
+from kernels._device import sm90_gluon
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 
 # Full-size cases: every kind of case also has a small CPU case; these sizes run on the GPU only.
 GPU_ONLY = pytest.mark.skipif(INTERPRET or DEVICE == "cpu",
                               reason="too slow for the CPU interpreter; runs on GPU")
+# tests of a Triton kernel that Hopper's Gluon twins would otherwise replace (they force it there)
+SM90_ONLY = pytest.mark.skipif(not sm90_gluon(DEVICE),
+                               reason="off Hopper the Triton kernel is the only path, and the tests "
+                                      "above already run it")
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1

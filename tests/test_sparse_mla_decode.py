@@ -14,10 +14,10 @@ import torch
 from kernels.reference import sparse_mla_decode_ref
 from kernels import _sparse_mla_decode_sm90 as sm90
 from kernels import _sparse_mla_decode_sm90_kn as sm90_kn
-from kernels._device import sm90_gluon
 from kernels.sparse_mla_decode import _launch, sparse_mla_decode
 from quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
-from tests.helpers import DEVICE, GPU_ONLY, assert_close, compile_gluon_sm90, invalid_indices, random_paged_cache
+from tests.helpers import (DEVICE, GPU_ONLY, SM90_ONLY, assert_close, compile_gluon_sm90, invalid_indices,
+                           random_paged_cache)
 
 SCALE = 0.083
 FORMATS = {"fp8": FP8_DS_MLA, "fp8raw": FP8_DS_MLA_RAW, "bf16": BF16_MLA}
@@ -237,9 +237,6 @@ def test_cuda_graph_replay_with_new_inputs(H):
 # the tests above run them there, and the Triton kernel everywhere else. On Hopper, run the Triton
 # one here too.
 # ----------------------------------------------------------------------------------------------
-SM90_ONLY = pytest.mark.skipif(not sm90_gluon(DEVICE),
-                               reason="off Hopper the Triton kernel is the only path, and the tests "
-                                      "above already run it")
 
 
 @SM90_ONLY

@@ -24,7 +24,7 @@ from kernels import _sparse_mla_prefill_sm90_kn as sm90_kn
 from kernels._device import sm90_gluon
 from kernels.reference import sparse_mla_ref
 from kernels.sparse_mla_prefill import sparse_mla_prefill
-from tests.helpers import DEVICE, GPU_ONLY, assert_close, compile_gluon_sm90, invalid_indices
+from tests.helpers import DEVICE, GPU_ONLY, SM90_ONLY, assert_close, compile_gluon_sm90, invalid_indices
 
 DEFAULT_SCALE = 576 ** -0.5
 
@@ -187,9 +187,6 @@ def test_scale_and_strides(case, request):
 # ------------------------------------------------------------------------------------------------
 # Two kernels serve 64-head blocks: the Gluon one on Hopper (every test above runs it there for
 # H > 32) and the Triton one everywhere else. On Hopper, run the Triton one here too.
-SM90_ONLY = pytest.mark.skipif(not sm90_gluon(DEVICE),
-                               reason="off Hopper the Triton kernel is the only path, and the tests "
-                                      "above already run it")
 TRITON_PATH = [
     pytest.param(Case(T=33, H=128, topk=1000, N=5000), id="T33-H128-topk1000"),
     pytest.param(Case(T=32, H=64, topk=2048, N=8000, invalid=0.3), id="T32-H64-topk2048-invalid"),
