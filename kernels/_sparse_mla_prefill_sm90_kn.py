@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 MAX_HEADS = 32
 BLOCK_N = 64  # keys per block: one consumer warpgroup's wgmma M
 NUM_WARPS = 4  # the producer (default partition; prologue and epilogue); the consumers are workers
+TAU = 8.0  # lazy rescale: the shift trails the running max by at most this (exp2 domain)
 C_REGS = 232  # registers of each consumer; the producer (the default partition) gets the rest, 40
 
 
@@ -59,17 +60,23 @@ def block_h(H: int) -> int:
 if _GLUON:
 
     @gluon.jit
-    def _gather(kv_ptr, p_idx, k0, n_use, N, stride_kv, s_lat, s_rope, BLOCK_N: gl.constexpr,
-                D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OFF32: gl.constexpr):
-        # start the copy of rows k0..k0+BLOCK_N-1 of the token's list: the latent part with 256
-        # contiguous bytes of a row per warp instruction, the rope part with 128; an index past
-        # n_use or outside [0, N) is masked (zero-filled), never read
+    def _load_rows(p_idx, k0, n_use, BLOCK_N: gl.constexpr):
+        # the row numbers of block k0..k0+BLOCK_N-1 in both gather layouts (-1 past n_use)
         GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         o_l = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GL))
-        i_l = gl.load(p_idx + o_l, mask=o_l < n_use, other=-1)
         o_r = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GR))
-        i_r = gl.load(p_idx + o_r, mask=o_r < n_use, other=-1)
+        return (gl.load(p_idx + o_l, mask=o_l < n_use, other=-1),
+                gl.load(p_idx + o_r, mask=o_r < n_use, other=-1))
+
+    @gluon.jit
+    def _gather(kv_ptr, i_l, i_r, N, stride_kv, s_lat, s_rope, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
+                OFF32: gl.constexpr):
+        # start the copy of the rows i_l / i_r (the same rows in two layouts): the latent part with
+        # 256 contiguous bytes of a row per warp instruction, the rope part with 128; a row
+        # outside [0, N) is masked (zero-filled), never read
+        GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         if OFF32:
             p_l = kv_ptr + i_l * stride_kv
             p_r = kv_ptr + i_r * stride_kv
@@ -88,29 +95,33 @@ if _GLUON:
     @gluon.jit
     def _producer(kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
                   BLOCK_N: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OFF32: gl.constexpr):
-        # block i into stage i % 2 once its consumer released it; the stage's full barrier
-        # completes when every producer thread's copies have landed
+        # block i into stage i % 2 once its consumer released it; the row numbers of block i + 1
+        # are loaded while block i waits for its stage (off the critical path); the stage's full
+        # barrier completes when every producer thread's copies have landed
+        i_l, i_r = _load_rows(p_idx, 0, n_use, BLOCK_N)
         for i in range(n_blk):
             s = i % 2
             mbarrier.wait(empty.index(s), ((i // 2) & 1) ^ 1)
-            _gather(kv_ptr, p_idx, i * BLOCK_N, n_use, N, stride_kv, s_kl.index(s), s_kr.index(s),
-                    BLOCK_N, D_LAT, D_ROPE, OFF32)
+            _gather(kv_ptr, i_l, i_r, N, stride_kv, s_kl.index(s), s_kr.index(s), D_LAT, D_ROPE, OFF32)
             cp.mbarrier_arrive(full.index(s), increment_count=False)
+            i_l, i_r = _load_rows(p_idx, (i + 1) * BLOCK_N, n_use, BLOCK_N)
 
     @gluon.jit
     def _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N, scale_log2,
-                  WG: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr):
+                  WG: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr,
+                  TAU: gl.constexpr):
         # the blocks i = WG, WG + 2, ... from stage WG: scores, online softmax over the keys
-        # (rows; a per-thread partial row sum, summed once at the end), values. m_i is the
-        # running max of the raw q.k (scale > 0). The state is left for the epilogue to merge:
-        # O^T in this stage's latent rows (this consumer was their last reader: the producer has
-        # no block left for them), max and row sum in s_ml
+        # (rows; a per-thread partial row sum, summed once at the end), values. m_i (the shift of
+        # the exponent) and m_ex (the max) are in raw q.k units (scale > 0). The state is left for
+        # the epilogue to merge: O^T in this stage's latent rows (this consumer was their last
+        # reader: the producer has no block left for them), shift, row sum and max in s_ml
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, HN, 16])
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
         zs = gl.zeros([BLOCK_N, HN], gl.float32, S_L)
         m_i = gl.full([HN], float("-inf"), gl.float32, COL_S)
+        m_ex = gl.full([HN], float("-inf"), gl.float32, COL_S)
         l_i = gl.zeros([BLOCK_N, HN], gl.float32, S_L)
         acc = gl.zeros([D_LAT, HN], gl.float32, S_L)
         o_ns = gl.arange(0, BLOCK_N, layout=ROW_S)
@@ -137,7 +148,14 @@ if _GLUON:
             b_s = t_0 + t_1
             b_s = gl.where(m_n[:, None], b_s, float("-inf"))
 
-            m_new = gl.maximum(m_i, gl.max(b_s, 0))
+            m_blk = gl.max(b_s, 0)
+            m_ex = gl.maximum(m_ex, m_blk)
+            # lazy rescaling (as in FlashAttention 4): the shift m_i follows the max only when it
+            # rose by more than TAU in the exp2 domain, so P <= 2^TAU (bf16 and the fp32 sums take
+            # it) and most blocks skip the rescale of O^T (4 * HN multiplies a thread); m_ex stays
+            # the exact max for max_logits
+            up = m_blk * scale_log2 > m_i * scale_log2 + TAU
+            m_new = gl.where(up, m_blk, m_i)
             # a head with nothing valid yet keeps max -inf; shift by 0 there so no inf - inf appears
             m_sh = gl.where(m_new == float("-inf"), 0.0, m_new * scale_log2)
             b_p = gl.exp2(b_s * scale_log2 - m_sh[None, :])
@@ -145,7 +163,8 @@ if _GLUON:
             l_i = l_i * alpha[None, :] + b_p
             m_i = m_new
             s_pw.store(b_p.to(gl.bfloat16))
-            acc = acc * alpha[None, :]
+            if gl.max(up.to(gl.int32), 0) > 0:  # uniform over the warpgroup: m_i is per head
+                acc = acc * alpha[None, :]
             hopper.fence_async_shared()
             gl.thread_barrier()
             t_o = hopper.warpgroup_mma(s_lat.permute((1, 0)), s_pw, acc, is_async=True)
@@ -155,6 +174,7 @@ if _GLUON:
         s_kl.index(WG)._reinterpret(gl.float32, [D_LAT, HN], SHO).store(acc)
         s_ml.slice(2 * WG, 1, dim=0).store(m_i[None, :])
         s_ml.slice(2 * WG + 1, 1, dim=0).store(gl.sum(l_i, 0)[None, :])
+        s_ml.slice(4 + WG, 1, dim=0).store(m_ex[None, :])
 
     @gluon.jit
     def sparse_mla_prefill_sm90_kn_kernel(
@@ -164,7 +184,7 @@ if _GLUON:
         scale, scale_log2,
         HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, OFF32: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        C_REGS: gl.constexpr,
+        C_REGS: gl.constexpr, TAU: gl.constexpr,
     ):
         HN: gl.constexpr = BLOCK_H
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -191,7 +211,7 @@ if _GLUON:
         s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
         s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], SH)
         s_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HN], SHP)
-        s_ml = gl.allocate_shared_memory(gl.float32, [4, HN], SHF)  # the consumers' max and row sum
+        s_ml = gl.allocate_shared_memory(gl.float32, [8, HN], SHF)  # shift, sum, max (6 rows)
 
         n_use = TOPK
         if HAS_LEN:
@@ -207,9 +227,9 @@ if _GLUON:
             [(_producer, (kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
                           BLOCK_N, D_LAT, D_ROPE, OFF32)),
              (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
-                          scale_log2, 0, HN, BLOCK_N, D_LAT)),
+                          scale_log2, 0, HN, BLOCK_N, D_LAT, TAU)),
              (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
-                          scale_log2, 1, HN, BLOCK_N, D_LAT))],
+                          scale_log2, 1, HN, BLOCK_N, D_LAT, TAU))],
             [4, 4], [C_REGS, C_REGS])
 
         # merge the two consumers' states (every partition has finished: their shared-memory
@@ -219,6 +239,8 @@ if _GLUON:
         m_b = gl.max(s_ml.slice(2, 1, dim=0).load(S_L), 0)
         l_b = gl.max(s_ml.slice(3, 1, dim=0).load(S_L), 0)
         m_i = gl.maximum(m_a, m_b)
+        m_x = gl.maximum(gl.max(s_ml.slice(4, 1, dim=0).load(S_L), 0),
+                         gl.max(s_ml.slice(5, 1, dim=0).load(S_L), 0))
         m_sh = gl.where(m_i == float("-inf"), 0.0, m_i * scale_log2)
         f_a = gl.exp2(m_a * scale_log2 - m_sh)
         f_b = gl.exp2(m_b * scale_log2 - m_sh)
@@ -240,7 +262,7 @@ if _GLUON:
             b_o = (s_oa.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_a
                    + s_ob.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_b)
             gl.store(p_o + 64 * c, b_o.to(out_ptr.dtype.element_ty), mask=(o_ho < H)[:, None])
-        gl.store(ml_ptr + i_t * H + o_h, m_i * scale, mask=m_h)
+        gl.store(ml_ptr + i_t * H + o_h, m_x * scale, mask=m_h)
         gl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
 
 
@@ -250,4 +272,4 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
     through the 64-head kernel's launcher (same arguments)."""
     _sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e, d_lat,
                  d_rope, kernel=sparse_mla_prefill_sm90_kn_kernel, block_h=block_h(q.shape[1]),
-                 BLOCK_N=BLOCK_N, C_REGS=C_REGS, num_warps=NUM_WARPS)
+                 BLOCK_N=BLOCK_N, C_REGS=C_REGS, TAU=TAU, num_warps=NUM_WARPS)

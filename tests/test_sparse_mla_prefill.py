@@ -231,7 +231,7 @@ def test_sm90_kn_kernel_compiles(block_h):
     got = compile_gluon_sm90(
         "kernels._sparse_mla_prefill_sm90_kn", "sparse_mla_prefill_sm90_kn_kernel",
         dict(HAS_LEN=True, HAS_SINK=True, OFF32=True, D_LAT=512, D_ROPE=64, BLOCK_H=block_h,
-             BLOCK_N=sm90_kn.BLOCK_N, C_REGS=sm90_kn.C_REGS),
+             BLOCK_N=sm90_kn.BLOCK_N, C_REGS=sm90_kn.C_REGS, TAU=sm90_kn.TAU),
         ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90_kn.NUM_WARPS)
     assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 128, got
     assert got["hgmma"] == 2 * (4 + 32 + 32), got
