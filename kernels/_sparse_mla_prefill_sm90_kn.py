@@ -12,8 +12,8 @@ Warp-specialised, three partitions of one warpgroup each:
   rows zero-filled and never read) into stage i % 2 once that stage is released;
 - two consumers own alternate blocks (consumer 0 the even ones from stage 0, consumer 1 the odd
   ones from stage 1), each with its own online softmax and O^T, so while one waits for its rows
-  or runs its softmax the other's wgmmas keep the tensor cores busy (ping-pong). At the end
-  consumer 1 hands (O^T, row sum, max) over through shared memory and consumer 0 merges.
+  or runs its softmax the other's wgmmas keep the tensor cores busy (ping-pong). At the end both
+  leave (O^T, shift, row sum, max) in shared memory and the producer's warps merge them.
 Scores run as two accumulator chains (rope + latent[:256] and latent[256:]) of separately issued
 k16 wgmmas, alternating. Measured at H = 32: one wgmma op over the whole K (36 steps) 2.64 ms (and
 41 spilled values reloaded in one consumer's loop); two chains of k16 ops 2.30-2.32 interleaved,
@@ -23,12 +23,14 @@ Shared memory: q 36 KB (HN 32) + 2 stages x 72 KB + P^T 2 x 4 KB + merge ~ 190 K
 per SM. Registers: 232 per consumer (the accumulator O^T alone is 128 at HN 32), 40 for the
 producer; at HN 32 a few loop-invariant values spill (40 bytes, reloaded from L1).
 
+The producer loads block i + 1's row numbers while block i waits for its stage (issued after the
+wait, those loads sat on the critical path: a clock64 profile at H32 had the consumers idle 40 % of
+the time), and the consumers rescale O^T lazily (the shift moves only when a head's max rose by
+more than 2^TAU; the exact max is kept for max_logits).
+
 Measured on an H200 (2026-11-22, tools/bench.py, 4096 tokens, 32768 rows, topk 2048): H16
-1.64 ms, H32 2.32 ms (Triton kernel 2.23 / 3.21; FlashMLA 2.33 / 2.17). What limits H32, by
-difference on the same kernel (scratch prototype, do_bench): without gathers 1.80 ms, gathers alone
-1.32 ms, together 2.32: only ~0.8 ms overlaps. With two stages each consumer waits for its own next
-rows after it released its stage (only the two consumers overlap each other), and a third 72 KB
-stage does not fit next to q.
+1.54 ms, H32 2.05 ms (FlashMLA 2.33 / 2.17; Triton kernel 2.23 / 3.21). Profile and the variants
+tried: docs/notes/sparse_mla_prefill.md (v5, v6).
 """
 from __future__ import annotations
 

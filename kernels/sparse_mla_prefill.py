@@ -31,8 +31,8 @@ rows' gather issued a whole step ahead). This kernel serves everything else (oth
 interpreter, OPENMLA_SM90_GLUON=0, unaligned rows).
 
 Measured on an H200, 2026-11-22 (tools/bench.py): 4096 tokens, 32768 rows, topk 2048: see
-docs/benchmarks.md (H = 16 / 32 with the keys-on-M kernel: 1.64 / 2.32 ms, this kernel 2.23 /
-3.21; H = 64 / 128 with the 64-head one: 3.18 / 6.20 ms, this kernel 4.94 / 9.42). FlashMLA:
+docs/benchmarks.md (H = 16 / 32 with the keys-on-M kernel: 1.54 / 2.05 ms, this kernel 2.23 /
+3.21; H = 64 / 128 with the 64-head one: 3.10 / 6.11 ms, this kernel 4.94 / 9.42). FlashMLA:
 2.33 / 2.17 / 2.17 / 4.19. Notes and the variants tried: docs/notes/sparse_mla_prefill.md.
 """
 from __future__ import annotations
