@@ -9,7 +9,8 @@ through a 16-bit copy in shared memory. That works because a dot product does no
 order it visits its K dimension, nor a matrix in which order its rows are stored: the latent
 dims of q^T are permuted once per program (k -> p(k) inside each 128-wide tile) so that each
 thread's A-operand elements are contiguous bytes of a row, and the rows of O^T are a fixed
-permutation of the 512 output dims (undone by the epilogue's addresses); reshape/permute of the
+permutation of the 512 output dims (undone in registers before the epilogue, whose stores go
+through shared memory to be 16 contiguous bytes a thread); reshape/permute of the
 register tensors express this and compile to nothing (checked on the sm_90a SASS).
 
 Arithmetic (same contract as the Triton kernel; kernels/sparse_mla_decode.py):
@@ -30,7 +31,7 @@ q^T, P^T: ~190 KB (HN 16) / ~215 KB (HN 32); 8 + 4 warps, one program per SM; th
 at 240 registers and spill ~180 / ~300 bytes (loop-invariant addresses).
 
 Measured on an H200 (2026-11-22, scratch/kn/run.py, CUDA-graph median, 262144-slot cache, topk
-2048): T128 H16 0.106 ms, H32 0.129; T32 H16 0.047, H32 0.062 (Triton kernel 0.136 / 0.229 /
+2048): T128 H16 0.103 ms, H32 0.119; T32 H16 0.037, H32 0.050 (Triton kernel 0.136 / 0.229 /
 0.051 / 0.064; FlashMLA 0.117 / 0.117 / 0.051 / 0.051).
 """
 from __future__ import annotations
@@ -95,13 +96,6 @@ if _GLUON:
         return (k - kk) + p
 
     @gluon.jit
-    def _perm_dim(m):
-        # row m of O^T -> output dim: a thread's eight rows (+8, +128, +256) are eight contiguous
-        # dims (one 8-byte load per key), its lane group and warp pick which eight
-        return (((m >> 3) & 1) | (((m >> 7) & 1) << 1) | (((m >> 8) & 1) << 2)
-                | ((m & 7) << 3) | (((m >> 4) & 7) << 6))
-
-    @gluon.jit
     def _load_idx(p_idx, k, k_hi, BLOCK_N: gl.constexpr, G8: gl.constexpr, GR: gl.constexpr,
                   GS: gl.constexpr):
         # slots k..k+BLOCK_N-1 (-1 past k_hi), once for each of the three gather layouts
@@ -127,7 +121,9 @@ if _GLUON:
     def _value_a(s_b8, s_sc, j: gl.constexpr, inv_r, V2_L: gl.constexpr, V3_L: gl.constexpr,
                  A_L: gl.constexpr):
         # keys 16j..16j+15 of V^T [512, 16] as the wgmma register operand: k8 * (s_t / R) in fp16,
-        # rows in _perm_dim order
+        # rows permuted: row m of O^T holds dim d with, by bits, d0 = m3, d1 = m7,
+        # d2 = m8, d3..d5 = m0..m2, d6..d8 = m4..m6, so that a thread's eight rows (+8, +128,
+        # +256) are eight contiguous dims (one 8-byte load per key)
         y = _fp8_to_f16(s_b8.slice(16 * j, 16, dim=0).load(V2_L))
         sc = s_sc.slice(16 * j, 16, dim=0).load(gl.SliceLayout(2, V3_L)) * inv_r
         sc_hi = sc.to(gl.float16)
@@ -291,7 +287,6 @@ if _GLUON:
         SHP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HN, element_bitwidth=16, rank=2)
         SH8: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
         SHS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
 
         i_t = gl.program_id(0)
@@ -341,12 +336,23 @@ if _GLUON:
             if HAS_SINK:
                 b_inv = b_inv * _sink_factor(sink_ptr, o_h, m_h, b_lse)
         b_o = b_o * (b_inv * b_r)[None, :]
-        o_d = _perm_dim(gl.arange(0, D_LAT, layout=ROW_S))
+        # undo O^T's row permutation (see _value_a) in the register layout (free), then go through
+        # shared memory once so that each thread stores 16 contiguous bytes of one head's output:
+        # stored straight from the wgmma layout (4- or 2-byte scattered stores) the epilogue took
+        # 16 of the 62 us at T32 H32 (H200, 4 splits)
+        b_o = b_o.reshape([2, 2, 2, 2, 2, 2, 2, 2, 2, HN]).permute((2, 3, 4, 6, 7, 8, 0, 1, 5, 9))
+        b_o = b_o.reshape([D_LAT, HN])
+        SPT: gl.constexpr = 4 if SPLIT else 8
+        WD: gl.constexpr = D_LAT // (32 * SPT)
+        ST_L: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [WD, 8 // WD], [0, 1])
+        o_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(1, ST_L))
+        o_hs = gl.arange(0, HN, layout=gl.SliceLayout(0, ST_L))
+        m_hs = o_hs < H
         if SPLIT:
-            p_po = po_ptr + ((i_t64 * NUM_SPLITS + i_s) * H + o_h)[None, :] * D_LAT + o_d[:, None]
-            gl.store(p_po, b_o, mask=m_h[None, :])
+            p_po = po_ptr + ((i_t64 * NUM_SPLITS + i_s) * H + o_hs)[None, :] * D_LAT + o_d[:, None]
+            gl.store(p_po, gl.convert_layout(b_o, ST_L), mask=m_hs[None, :])
             gl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_h, b_lse, mask=m_h)
         else:
-            p_o = out_ptr + i_t64 * stride_ot + o_h[None, :] * stride_oh + o_d[:, None]
-            gl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_h[None, :])
+            p_o = out_ptr + i_t64 * stride_ot + o_hs[None, :] * stride_oh + o_d[:, None]
+            gl.store(p_o, gl.convert_layout(b_o.to(out_ptr.dtype.element_ty), ST_L), mask=m_hs[None, :])
             gl.store(lse_ptr + i_t64 * H + o_h, b_lse, mask=m_h)
