@@ -3,8 +3,9 @@
 Same arguments and outputs as `sparse_mla_decode_kernel` (kernels/sparse_mla_decode.py: one token,
 a head block and one split of its indices per program; partial (out, lse) merged by the same
 merge kernel), and the same exact arithmetic: e4m3 bytes become fp16 exactly, q goes to fp16 after
-a per-head power of two, per-tile scales multiply the scores and P_t = P * s_t / R_t (R_t a running
-power of two) feeds each tile's value dot in fp16. What differs is the layout, which Triton 3.6
+a per-head power of two, per-tile scales multiply the scores and P_t = P * s_t / R (R a running
+power of two >= every scale seen, one for all four tiles as in the keys-on-M kernel) feeds each
+tile's value dot in fp16. What differs is the layout, which Triton 3.6
 cannot be told (see kernels/_sparse_mla_prefill_sm90.py for the same change in prefill):
 - 64 heads x 64 rows per step on wgmma, the score tile split over the two warpgroups ([4, 2];
   Triton gives a chained dot [8, 1], both warpgroups computing every score); each warpgroup owns
@@ -14,9 +15,10 @@ cannot be told (see kernels/_sparse_mla_prefill_sm90.py for the same change in p
   once, a 128-wide tile at a time, into one swizzled buffer both dots read.
 8 warps, ~220 KB shared memory: one program per SM (the split rule's occupancy 1).
 
-Measured on an H200 (2026-11-22, tools/bench.py, 262144-slot cache, topk 2048): H64 0.233 / 0.076
-ms and H128 0.453 / 0.127 ms at T = 128 / 32; the Triton kernel measured 0.409 / 0.116 and
-0.754 / 0.214 (scratch/gl/run1d.py, same process). FlashMLA: 0.117 / 0.051 and 0.187 / 0.067.
+Measured on an H200 (2026-11-22, scratch/gl/run.py, CUDA-graph median, 262144-slot cache, topk
+2048): H64 0.182 / 0.060 ms and H128 0.355 / 0.101 ms at T = 128 / 32 (per-tile R and five
+cross-warp reductions a step before: 0.230 / 0.076 and 0.447 / 0.127); the Triton kernel measured
+0.409 / 0.116 and 0.754 / 0.214. FlashMLA: 0.117 / 0.051 and 0.187 / 0.067.
 Where a step's time goes: docs/notes/sparse_mla_decode.md.
 """
 from __future__ import annotations
@@ -91,15 +93,19 @@ if _GLUON:
 
 
     @gluon.jit
-    def _tile_scores(s_ql, s_k16, p_s, m_n, b_r, b_fq, zs, T: gl.constexpr, TILE: gl.constexpr):
+    def _max2(a0, b0, a1, b1):
+        # combine of a two-tensor max reduction (one cross-warp exchange for both)
+        return gl.maximum(a0, a1), gl.maximum(b0, b1)
+
+    @gluon.jit
+    def _tile_scores(s_ql, s_k16, p_s, m_n, b_fq, zs, T: gl.constexpr, TILE: gl.constexpr):
         # latent tile T's scores: (q_T . k_T) x the rows' tile-T scale x the heads' q factor, and
-        # the new running power of two R_T >= every tile-T scale so far
+        # that scale
         t_s = hopper.warpgroup_mma(s_ql.slice(T * TILE, TILE, dim=1),
                                    s_k16.slice(T * TILE, TILE, dim=1).permute((1, 0)), zs,
                                    use_acc=False, is_async=True)
         b_st = gl.load(p_s + T, mask=m_n, other=0.0)
-        b_n = gl.maximum(b_r, _pow2_at_least(gl.max(b_st, 0) + 1e-38))
-        return hopper.warpgroup_mma_wait(0, deps=[t_s]) * b_st[None, :] * b_fq[:, None], b_n
+        return hopper.warpgroup_mma_wait(0, deps=[t_s]) * b_st[None, :] * b_fq[:, None], b_st
 
     @gluon.jit
     def sparse_mla_decode_sm90_kernel(
@@ -165,10 +171,7 @@ if _GLUON:
         b_o1 = gl.zeros([BLOCK_H, TILE], gl.float32, O_L)
         b_o2 = gl.zeros([BLOCK_H, TILE], gl.float32, O_L)
         b_o3 = gl.zeros([BLOCK_H, TILE], gl.float32, O_L)
-        b_r0 = 2.0 ** -126
-        b_r1 = 2.0 ** -126
-        b_r2 = 2.0 ** -126
-        b_r3 = 2.0 ** -126
+        b_r = gl.full([BLOCK_H], 2.0 ** -126, gl.float32, ROW_S)
         for i in range(n_blk):
             buf = i % 2
             gl.thread_barrier()
@@ -199,42 +202,49 @@ if _GLUON:
             t_r = hopper.warpgroup_mma(s_qr, s_kr.index(buf).permute((1, 0)), zs, use_acc=False, is_async=True)
             b_sc = hopper.warpgroup_mma_wait(0, deps=[t_r]) * qk_scale
             # per tile: scores scaled by the rows' tile scale (loaded where used, to keep registers)
-            b_t, n0 = _tile_scores(s_ql, s_k16, p_s, m_n, b_r0, b_fq, zs, 0, TILE)
+            b_t, b_st = _tile_scores(s_ql, s_k16, p_s, m_n, b_fq, zs, 0, TILE)
             b_sc += b_t
-            b_t, n1 = _tile_scores(s_ql, s_k16, p_s, m_n, b_r1, b_fq, zs, 1, TILE)
+            s_mx = b_st
+            b_t, b_st = _tile_scores(s_ql, s_k16, p_s, m_n, b_fq, zs, 1, TILE)
             b_sc += b_t
-            b_t, n2 = _tile_scores(s_ql, s_k16, p_s, m_n, b_r2, b_fq, zs, 2, TILE)
+            s_mx = gl.maximum(s_mx, b_st)
+            b_t, b_st = _tile_scores(s_ql, s_k16, p_s, m_n, b_fq, zs, 2, TILE)
             b_sc += b_t
-            b_t, n3 = _tile_scores(s_ql, s_k16, p_s, m_n, b_r3, b_fq, zs, 3, TILE)
+            s_mx = gl.maximum(s_mx, b_st)
+            b_t, b_st = _tile_scores(s_ql, s_k16, p_s, m_n, b_fq, zs, 3, TILE)
             b_sc += b_t
+            s_mx = gl.maximum(s_mx, b_st)
             b_sc = gl.where(m_n[None, :], b_sc, float("-inf"))
 
-            m_new = gl.maximum(b_m, gl.max(b_sc, 1))
+            # the block's score max per head and its largest scale (R, one power of two for all four
+            # tiles, grows to cover it) in one cross-warp reduction: the former four per-tile scale
+            # reductions, each a shared-memory exchange, cost 0.447 against 0.355 ms at T128 H128
+            m_blk, s_blk = gl.reduce((b_sc, gl.zeros_like(b_sc) + s_mx[None, :]), 1, _max2)
+            r_new = gl.maximum(b_r, _pow2_at_least(s_blk + 1e-38))
+            m_new = gl.maximum(b_m, m_blk)
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(b_m - m_use)
             b_p = gl.exp2(b_sc - m_use[:, None])
             b_l = b_l * alpha + gl.sum(b_p, 1)
             b_m = m_new
-            alpha_o = gl.convert_layout(alpha, ROW_O)
-            b_o0 = b_o0 * (alpha_o * (b_r0 / n0))[:, None]
-            b_o1 = b_o1 * (alpha_o * (b_r1 / n1))[:, None]
-            b_o2 = b_o2 * (alpha_o * (b_r2 / n2))[:, None]
-            b_o3 = b_o3 * (alpha_o * (b_r3 / n3))[:, None]
-            b_r0 = n0
-            b_r1 = n1
-            b_r2 = n2
-            b_r3 = n3
+            alpha_o = gl.convert_layout(alpha * (b_r / r_new), ROW_O)
+            b_o0 = b_o0 * alpha_o[:, None]
+            b_o1 = b_o1 * alpha_o[:, None]
+            b_o2 = b_o2 * alpha_o[:, None]
+            b_o3 = b_o3 * alpha_o[:, None]
+            b_r = r_new
+            b_p = b_p * (1.0 / r_new)[:, None]
             # one value wgmma in flight at a time: its register operand (P_t) must stay intact until
             # it completes, and four of them next to the accumulators would spill
-            p0 = gl.convert_layout((b_p * (gl.load(p_s + 0, mask=m_n, other=0.0) / n0)[None, :]).to(gl.float16), P_L)
+            p0 = gl.convert_layout((b_p * gl.load(p_s + 0, mask=m_n, other=0.0)[None, :]).to(gl.float16), P_L)
             t0 = hopper.warpgroup_mma(p0, s_k16.slice(0 * TILE, TILE, dim=1), b_o0, is_async=True)
-            p1 = gl.convert_layout((b_p * (gl.load(p_s + 1, mask=m_n, other=0.0) / n1)[None, :]).to(gl.float16), P_L)
+            p1 = gl.convert_layout((b_p * gl.load(p_s + 1, mask=m_n, other=0.0)[None, :]).to(gl.float16), P_L)
             b_o0 = hopper.warpgroup_mma_wait(0, deps=[t0])
             t1 = hopper.warpgroup_mma(p1, s_k16.slice(1 * TILE, TILE, dim=1), b_o1, is_async=True)
-            p2 = gl.convert_layout((b_p * (gl.load(p_s + 2, mask=m_n, other=0.0) / n2)[None, :]).to(gl.float16), P_L)
+            p2 = gl.convert_layout((b_p * gl.load(p_s + 2, mask=m_n, other=0.0)[None, :]).to(gl.float16), P_L)
             b_o1 = hopper.warpgroup_mma_wait(0, deps=[t1])
             t2 = hopper.warpgroup_mma(p2, s_k16.slice(2 * TILE, TILE, dim=1), b_o2, is_async=True)
-            p3 = gl.convert_layout((b_p * (gl.load(p_s + 3, mask=m_n, other=0.0) / n3)[None, :]).to(gl.float16), P_L)
+            p3 = gl.convert_layout((b_p * gl.load(p_s + 3, mask=m_n, other=0.0)[None, :]).to(gl.float16), P_L)
             b_o2 = hopper.warpgroup_mma_wait(0, deps=[t2])
             t3 = hopper.warpgroup_mma(p3, s_k16.slice(3 * TILE, TILE, dim=1), b_o3, is_async=True)
             b_o3 = hopper.warpgroup_mma_wait(0, deps=[t3])
@@ -246,22 +256,22 @@ if _GLUON:
         if not SPLIT:
             if HAS_SINK:
                 b_inv = b_inv * _sink_factor(sink_ptr, o_hs, m_hs, b_lse)
-        inv_o = gl.convert_layout(b_inv, ROW_O)
+        inv_o = gl.convert_layout(b_inv * b_r, ROW_O)
         o_ho = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
         m_ho = (o_ho < H)[:, None]
         o_d = gl.arange(0, TILE, layout=gl.SliceLayout(0, O_L))
         if SPLIT:
             p_po = po_ptr + ((i_t64 * NUM_SPLITS + i_s) * H + o_ho)[:, None] * (4 * TILE) + o_d[None, :]
-            gl.store(p_po + 0 * TILE, b_o0 * (inv_o * b_r0)[:, None], mask=m_ho)
-            gl.store(p_po + 1 * TILE, b_o1 * (inv_o * b_r1)[:, None], mask=m_ho)
-            gl.store(p_po + 2 * TILE, b_o2 * (inv_o * b_r2)[:, None], mask=m_ho)
-            gl.store(p_po + 3 * TILE, b_o3 * (inv_o * b_r3)[:, None], mask=m_ho)
+            gl.store(p_po + 0 * TILE, b_o0 * inv_o[:, None], mask=m_ho)
+            gl.store(p_po + 1 * TILE, b_o1 * inv_o[:, None], mask=m_ho)
+            gl.store(p_po + 2 * TILE, b_o2 * inv_o[:, None], mask=m_ho)
+            gl.store(p_po + 3 * TILE, b_o3 * inv_o[:, None], mask=m_ho)
             gl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_hs, b_lse, mask=m_hs)
         else:
             p_o = out_ptr + i_t64 * stride_ot + o_ho[:, None] * stride_oh + o_d[None, :]
             ty = out_ptr.dtype.element_ty
-            gl.store(p_o + 0 * TILE, (b_o0 * (inv_o * b_r0)[:, None]).to(ty), mask=m_ho)
-            gl.store(p_o + 1 * TILE, (b_o1 * (inv_o * b_r1)[:, None]).to(ty), mask=m_ho)
-            gl.store(p_o + 2 * TILE, (b_o2 * (inv_o * b_r2)[:, None]).to(ty), mask=m_ho)
-            gl.store(p_o + 3 * TILE, (b_o3 * (inv_o * b_r3)[:, None]).to(ty), mask=m_ho)
+            gl.store(p_o + 0 * TILE, (b_o0 * inv_o[:, None]).to(ty), mask=m_ho)
+            gl.store(p_o + 1 * TILE, (b_o1 * inv_o[:, None]).to(ty), mask=m_ho)
+            gl.store(p_o + 2 * TILE, (b_o2 * inv_o[:, None]).to(ty), mask=m_ho)
+            gl.store(p_o + 3 * TILE, (b_o3 * inv_o[:, None]).to(ty), mask=m_ho)
             gl.store(lse_ptr + i_t64 * H + o_hs, b_lse, mask=m_hs)

@@ -28,7 +28,7 @@ done with it). Issued by the consumers themselves, the gathers stalled their com
 compute-only 0.062 ms + gather-only 0.051 ms = 0.114 ms at T128 H16).
 Shared memory: two stages of 128 gathered rows (latent bytes 64 KB, bf16 rope 16 KB, scales 2 KB),
 q^T, P^T: ~190 KB (HN 16) / ~215 KB (HN 32); 8 + 4 warps, one program per SM; the consumers run
-at 240 registers and spill ~180 / ~300 bytes (loop-invariant addresses).
+at 240 registers and spill ~24 / ~160 bytes (HN 16 / 32; loop-invariant addresses).
 
 Measured on an H200 (2026-11-22, scratch/kn/run.py, CUDA-graph median, 262144-slot cache, topk
 2048): T128 H16 0.073 ms, H32 0.104; T32 H16 0.030, H32 0.043 (Triton kernel 0.136 / 0.229 /
@@ -45,8 +45,8 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from kernels._sparse_mla_decode_sm90 import (_finish_rows, _head_f16_factor, _pow2_at_least, _row_ptrs,
-                                                 _sink_factor, _split_range)
+    from kernels._sparse_mla_decode_sm90 import (_finish_rows, _head_f16_factor, _max2, _pow2_at_least,
+                                                 _row_ptrs, _sink_factor, _split_range)
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -109,11 +109,6 @@ if _GLUON:
     def _tile_col(b_s4, o_c4, t: gl.constexpr, ROW_S: gl.constexpr):
         # column t of the [128, 4] scales (all four sit in each thread: no data movement)
         return gl.convert_layout(gl.sum(gl.where(o_c4[None, :] == t, b_s4, 0.0), 1), ROW_S)
-
-    @gluon.jit
-    def _max2(a0, b0, a1, b1):
-        # combine of a two-tensor max reduction
-        return gl.maximum(a0, a1), gl.maximum(b0, b1)
 
     @gluon.jit
     def _score_a(s_b8, t: gl.constexpr, TILE: gl.constexpr, Y_L: gl.constexpr, A_L: gl.constexpr):

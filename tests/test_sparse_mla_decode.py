@@ -261,14 +261,15 @@ def test_triton_kernel_on_hopper(T, H, topk, num_blocks, block_size, ext, monkey
 @pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
 def test_sm90_kernel_compiles():
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
-    that breaks it or outgrows shared memory fails on the CPU too. (It spills ~230 bytes a
-    thread next to its 128 accumulator registers; measured and accepted, see its docstring.)"""
+    that breaks it or outgrows shared memory fails on the CPU too. Spills are bounded: 224 bytes
+    of stack (five cross-warp reductions a step) measured 0.447 ms at T128 H128 against 0.355 with
+    the 8 bytes of today (H200), so a change that brings them back fails here."""
     got = compile_gluon_sm90(
         "kernels._sparse_mla_decode_sm90", "sparse_mla_decode_sm90_kernel",
         dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_H=sm90.BLOCK_H,
              BLOCK_N=sm90.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528),
         ["*bf16", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90.NUM_WARPS)
-    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255, got
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 64, got
     # wgmma, and 16-byte asynchronous gathers only (latent bytes and rope, before and in the loop)
     assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] > 0, got
 
@@ -280,13 +281,14 @@ def test_sm90_kn_kernel_compiles(block_h):
     wgmma with register A operands, 16-byte gathers of latent and rope; register operands built from
     the bytes with no shared-memory round trip (reshape/permute must compile to nothing: the only
     shared stores in the loop are P and the softmax reductions). It spills a little (loop-invariant
-    addresses, reloaded from L1): accepted, see the module docstring."""
+    addresses, reloaded from L1: 24 / 160 bytes at 16 / 32 heads); twice the reductions a step
+    spilled 192 / 304 bytes and measured 0.103 / 0.119 ms against 0.073 / 0.104 (T128, H200)."""
     got = compile_gluon_sm90(
         "kernels._sparse_mla_decode_sm90_kn", "sparse_mla_decode_sm90_kn_kernel",
         dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_H=block_h,
              BLOCK_N=sm90_kn.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528, BS_SHIFT=6),
         ["*bf16", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90_kn.NUM_WARPS)
-    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255, got
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 192, got
     # rope + 4 x 8 score steps + 8 value steps of 4 M-repetitions, each in the prologue-free loop
     assert got["hgmma"] == 4 + 32 + 32, got
     assert got["ldgsts128"] > 0, got
