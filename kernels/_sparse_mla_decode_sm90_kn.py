@@ -35,7 +35,7 @@ q^T, P^T: ~190 KB (HN 16) / ~215 KB (HN 32); 8 + 4 warps, one program per SM; th
 at 240 registers and spill ~24 / ~160 bytes (HN 16 / 32; loop-invariant addresses).
 
 Measured on an H200 (2026-11-22, scratch/kn/run.py, CUDA-graph median, 262144-slot cache, topk
-2048): T128 H16 0.073 ms, H32 0.104; T32 H16 0.030, H32 0.043 (Triton kernel 0.136 / 0.229 /
+2048): T128 H16 0.075 ms, H32 0.106; T32 H16 0.031, H32 0.044 (Triton kernel 0.136 / 0.229 /
 0.051 / 0.064; FlashMLA 0.117 / 0.117 / 0.051 / 0.051).
 """
 from __future__ import annotations
