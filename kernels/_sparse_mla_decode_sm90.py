@@ -171,6 +171,8 @@ if _GLUON:
         b_o1 = gl.zeros([BLOCK_H, TILE], gl.float32, O_L)
         b_o2 = gl.zeros([BLOCK_H, TILE], gl.float32, O_L)
         b_o3 = gl.zeros([BLOCK_H, TILE], gl.float32, O_L)
+        # R per head, every head holding the same value: it comes out of the per-head reduction,
+        # and a scalar would cost another cross-warp one
         b_r = gl.full([BLOCK_H], 2.0 ** -126, gl.float32, ROW_S)
         for i in range(n_blk):
             buf = i % 2

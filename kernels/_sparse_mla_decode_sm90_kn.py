@@ -282,11 +282,9 @@ if _GLUON:
             sc_row = gl.convert_layout(gl.max(b_s4, 1), ROW_S)
             # the sign of the scale operand carries "some scale of the row is not a power of two"
             # (raw-scale caches), so the same reduction tells whether V^T needs an fp16 pair
-            raw_row = gl.convert_layout(gl.max(((b_s4.to(gl.int32, bitcast=True) & 0x7FFFFF) != 0).to(gl.float32), 1),
-                                        ROW_S)
-            sc_row = gl.where(raw_row > 0.0, -sc_row, sc_row)
+            raw_row = gl.convert_layout(gl.max(b_s4.to(gl.int32, bitcast=True) & 0x7FFFFF, 1) != 0, ROW_S)
+            sc_row = gl.where(raw_row, -sc_row, sc_row)
             m_blk, s_blk = gl.reduce((b_sc, gl.zeros_like(b_sc) + sc_row[:, None]), 0, _max_flag)
-            f_blk = (s_blk < 0.0).to(gl.float32)
             r_new = gl.maximum(b_r, _pow2_at_least(gl.max(gl.abs(s_blk), 0) + 1e-38))
             m_new = gl.maximum(b_m, m_blk)
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -300,7 +298,7 @@ if _GLUON:
             hopper.fence_async_shared()
             gl.thread_barrier()
             inv_r = 1.0 / b_r
-            if gl.max(f_blk, 0) > 0.0:
+            if gl.min(s_blk, 0) < 0.0:
                 # a scale of this block is not a power of two: V^T as an fp16 pair, two wgmmas
                 for j in gl.static_range(BLOCK_N // 16):
                     xv, xr = _value_a2(sb, s_sc.index(buf), j, inv_r, V2_L, V3_L, A_L)
