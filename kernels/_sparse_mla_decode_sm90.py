@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _decode_math as _dm
-from kernels._device import sm90_gluon
+from openmla.kernels import _decode_math as _dm
+from openmla.kernels._device import sm90_gluon
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon

@@ -42,14 +42,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels._device import sm90_gluon
+from openmla.kernels._device import sm90_gluon
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from kernels._sparse_mla_decode_sm90 import (_finish_rows, _head_f16_factor, _pow2_at_least,
+    from openmla.kernels._sparse_mla_decode_sm90 import (_finish_rows, _head_f16_factor, _pow2_at_least,
                                                  _row_ptrs, _sink_factor, _split_range)
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     _GLUON = True

@@ -26,14 +26,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels._device import sm90_gluon
+from openmla.kernels._device import sm90_gluon
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from kernels._prefill_math import finish_rows
+    from openmla.kernels._prefill_math import finish_rows
     _finish_rows = gluon.jit(finish_rows.fn)
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton

@@ -34,7 +34,7 @@ tried: docs/notes/sparse_mla_prefill.md (v5, v6).
 """
 from __future__ import annotations
 
-from kernels import _sparse_mla_prefill_sm90 as _sm90
+from openmla.kernels import _sparse_mla_prefill_sm90 as _sm90
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
@@ -42,7 +42,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-    from kernels._sparse_mla_prefill_sm90 import _finish_rows
+    from openmla.kernels._sparse_mla_prefill_sm90 import _finish_rows
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 import triton
 
-from kernels._device import num_sms
-from kernels.merge import merge_attn_states
-from kernels.paged_attention import SHORT_MAX_Q, SHORT_MAX_ROWS, paged_attention
-from quant._validate import check_tensor, fail
-from quant.kv_cache import LAYOUTS, cache_dims
+from openmla.kernels._device import num_sms
+from openmla.kernels.merge import merge_attn_states
+from openmla.kernels.paged_attention import SHORT_MAX_Q, SHORT_MAX_ROWS, paged_attention
+from openmla.quant._validate import check_tensor, fail
+from openmla.quant.kv_cache import LAYOUTS, cache_dims
 
 __all__ = ["cascade_attention", "use_cascade_attention", "MIN_CASCADE_PREFIX", "MIN_CASCADE_REQS"]
 

@@ -1,6 +1,6 @@
 """FlashMLA-compatible Python API over openmla's sparse MLA ops (a drop-in for `flash_mla`).
 
-    from kernels.flashmla_compat import get_mla_metadata, flash_mla_with_kvcache, flash_mla_sparse_fwd
+    from openmla.kernels.flashmla_compat import get_mla_metadata, flash_mla_with_kvcache, flash_mla_sparse_fwd
 
 Same argument names, order, defaults, shapes and conventions as FlashMLA's
 `flash_mla/flash_mla_interface.py` (the version with `attn_sink` and `topk_length`) for the sparse
@@ -33,10 +33,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from kernels.sparse_mla_decode import sparse_mla_decode
-from kernels.sparse_mla_prefill import sparse_mla_prefill
-from quant._validate import check_tensor, fail
-from quant.mla_formats import BF16_MLA, FP8_DS_MLA
+from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
+from openmla.quant._validate import check_tensor, fail
+from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA
 
 D_QK = FP8_DS_MLA.head_dim  # 576
 D_V = FP8_DS_MLA.latent_dim  # 512

@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from quant._validate import check_tensor, fail
-from quant.int8 import dequantize_per_token_head, quantize_per_token_head_ref
-from quant.mla_formats import mla_format_of
+from openmla.quant._validate import check_tensor, fail
+from openmla.quant.int8 import dequantize_per_token_head, quantize_per_token_head_ref
+from openmla.quant.mla_formats import mla_format_of
 
 __all__ = [
     "sparse_mla_ref",

@@ -32,13 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _sparse_mla_decode_sm90 as _sm90
-from kernels import _sparse_mla_decode_sm90_kn as _kn
-from kernels._decode_math import finish_rows, head_f16_factor, pow2_at_least, sink_factor, split_range
-from kernels.merge import merge_finish, merge_step
-from kernels._device import num_sms
-from quant._validate import check_same_device, check_tensor, fail
-from quant.mla_formats import BF16_MLA, FP8_DS_MLA, mla_format_of
+from openmla.kernels import _sparse_mla_decode_sm90 as _sm90
+from openmla.kernels import _sparse_mla_decode_sm90_kn as _kn
+from openmla.kernels._decode_math import finish_rows, head_f16_factor, pow2_at_least, sink_factor, split_range
+from openmla.kernels.merge import merge_finish, merge_step
+from openmla.kernels._device import num_sms
+from openmla.quant._validate import check_same_device, check_tensor, fail
+from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA, mla_format_of
 
 LOG2E = 1.4426950408889634  # host: softmax scale -> log2-domain scale
 MAX_HEADS = 128

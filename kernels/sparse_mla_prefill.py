@@ -44,11 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _sparse_mla_prefill_sm90 as _sm90
-from kernels import _sparse_mla_prefill_sm90_kn as _kn
-from kernels._prefill_math import finish_rows
-from quant._validate import check_same_device, check_tensor, fail
-from quant.mla_formats import BF16_MLA
+from openmla.kernels import _sparse_mla_prefill_sm90 as _sm90
+from openmla.kernels import _sparse_mla_prefill_sm90_kn as _kn
+from openmla.kernels._prefill_math import finish_rows
+from openmla.quant._validate import check_same_device, check_tensor, fail
+from openmla.quant.mla_formats import BF16_MLA
 
 D_LAT = BF16_MLA.latent_dim  # 512, also the value width
 D_ROPE = BF16_MLA.rope_dim  # 64

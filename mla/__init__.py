@@ -13,7 +13,7 @@ Dimension glossary (DESIGN.md; every module uses these names):
     slot        global cache position: block * block_size + offset
 """
 
-from quant.mla_formats import FP8_DS_MLA as _FMT
+from openmla.quant.mla_formats import FP8_DS_MLA as _FMT
 
 # The numbers are the format's (quant/ owns byte layouts); this is where the layer names them.
 KV_LORA_RANK = _FMT.latent_dim

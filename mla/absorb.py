@@ -35,8 +35,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from kernels.reference import sparse_mla_ref
-from quant._validate import check_tensor, fail
+from openmla.kernels.reference import sparse_mla_ref
+from openmla.quant._validate import check_tensor, fail
 
 __all__ = [
     "FP8_WEIGHT_BLOCK",

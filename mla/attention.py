@@ -29,14 +29,14 @@ from typing import Optional
 
 import torch
 
-from kernels.cascade import cascade_attention
-from kernels.paged_attention import paged_attention
-from kernels.varlen_attention import varlen_attention
-from mla.attention_plan import (AttentionPlan, AttentionSubPlan, CascadePlan, _int_arg,
+from openmla.kernels.cascade import cascade_attention
+from openmla.kernels.paged_attention import paged_attention
+from openmla.kernels.varlen_attention import varlen_attention
+from openmla.mla.attention_plan import (AttentionPlan, AttentionSubPlan, CascadePlan, _int_arg,
                                 build_attention_plan)
-from quant._validate import check_tensor, fail
-from quant.int8 import calibrate_v_scale, load_v_scales
-from quant.kv_cache import write_kv_cache
+from openmla.quant._validate import check_tensor, fail
+from openmla.quant.int8 import calibrate_v_scale, load_v_scales
+from openmla.quant.kv_cache import write_kv_cache
 
 __all__ = ["AttentionPlan", "AttentionSubPlan", "CascadePlan", "PagedAttentionImpl",
            "build_attention_plan", "ATTN_TYPES", "KV_CACHE_DTYPES"]

@@ -30,10 +30,10 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from kernels._device import num_sms as device_num_sms
-from kernels.cascade import use_cascade_attention
-from mla.local_attention import LocalAttentionBatch, make_local_attention_virtual_batches
-from quant._validate import check_same_device, check_tensor, fail
+from openmla.kernels._device import num_sms as device_num_sms
+from openmla.kernels.cascade import use_cascade_attention
+from openmla.mla.local_attention import LocalAttentionBatch, make_local_attention_virtual_batches
+from openmla.quant._validate import check_same_device, check_tensor, fail
 
 __all__ = ["AttentionPlan", "AttentionSubPlan", "CascadePlan", "build_attention_plan"]
 

@@ -18,16 +18,16 @@ from typing import Optional
 
 import torch
 
-from kernels.index import convert_req_index_to_global
-from kernels.sparse_mla_decode import sparse_mla_decode
-from kernels.sparse_mla_prefill import sparse_mla_prefill
-from mla import D_QK, KV_LORA_RANK, ROPE_DIM
-from mla.absorb import split_kv_b_proj
-from mla.metadata import MAX_HEADS, SparseMLAPlan, build_sparse_mla_plan, cache_format_name
-from quant._validate import check_same_device, check_tensor, fail
-from quant.mla_formats import MLA_FORMATS
-from quant.mla_gather import gather_upconvert
-from quant.mla_writer import write_mla_cache
+from openmla.kernels.index import convert_req_index_to_global
+from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
+from openmla.mla import D_QK, KV_LORA_RANK, ROPE_DIM
+from openmla.mla.absorb import split_kv_b_proj
+from openmla.mla.metadata import MAX_HEADS, SparseMLAPlan, build_sparse_mla_plan, cache_format_name
+from openmla.quant._validate import check_same_device, check_tensor, fail
+from openmla.quant.mla_formats import MLA_FORMATS
+from openmla.quant.mla_gather import gather_upconvert
+from openmla.quant.mla_writer import write_mla_cache
 
 __all__ = ["SparseMLAImpl"]
 

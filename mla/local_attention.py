@@ -26,7 +26,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from quant._validate import check_tensor, fail
+from openmla.quant._validate import check_tensor, fail
 
 __all__ = ["LocalAttentionBatch", "make_local_attention_virtual_batches"]
 

@@ -31,8 +31,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from quant._validate import check_same_device, check_tensor, fail
-from quant.mla_formats import mla_format_of
+from openmla.quant._validate import check_same_device, check_tensor, fail
+from openmla.quant.mla_formats import mla_format_of
 
 __all__ = [
     "KV_CACHE_DTYPES",

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mla.vllm_backend import check_kv_cache_dtype, lazy_classes, plan_inputs
+from openmla.mla.vllm_backend import check_kv_cache_dtype, lazy_classes, plan_inputs
 
 __all__ = ["BACKEND_NAME", "VLLM_KV_CACHE_DTYPES"]
 
@@ -54,8 +54,8 @@ def _build_classes() -> tuple:
     )
     from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
-    from mla.attention import MAX_HEAD_SIZE, PagedAttentionImpl
-    from mla.attention_plan import AttentionPlan, build_attention_plan
+    from openmla.mla.attention import MAX_HEAD_SIZE, PagedAttentionImpl
+    from openmla.mla.attention_plan import AttentionPlan, build_attention_plan
 
     class OpenMLAAttentionBackend(AttentionBackend):
         """MHA/GQA over a paged KV cache on openmla's Triton kernels; any GPU Triton runs on."""

@@ -53,7 +53,7 @@ def register() -> None:
     call more than once (vLLM may load plugins again): a second call re-points the names."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from mla import vllm_attn_backend
+    from openmla.mla import vllm_attn_backend
     for name, path in ((BACKEND_NAME, f"{__name__}.OpenMLASparseBackend"),
                        (vllm_attn_backend.BACKEND_NAME,
                         f"{vllm_attn_backend.__name__}.OpenMLAAttentionBackend")):
@@ -128,9 +128,9 @@ def _build_classes() -> tuple:
         CommonAttentionMetadata, MLAAttentionImpl, MultipleOf,
     )
 
-    from mla.impl import SparseMLAImpl
-    from mla.metadata import SparseMLAPlan, build_sparse_mla_plan
-    from quant.mla_writer import write_mla_cache
+    from openmla.mla.impl import SparseMLAImpl
+    from openmla.mla.metadata import SparseMLAPlan, build_sparse_mla_plan
+    from openmla.quant.mla_writer import write_mla_cache
 
     class OpenMLASparseBackend(AttentionBackend):
         """Sparse MLA (DeepSeek-V3.2 DSA) on openmla's Triton kernels; any GPU Triton runs on."""
@@ -280,7 +280,7 @@ def _build_classes() -> tuple:
             """kv_c_normed [T, 512], k_pe [T, 1, 64] or [T, 64]; slots < 0 are skipped."""
             if kv_cache.numel() == 0:
                 return
-            from quant.mla_formats import MLA_FORMATS
+            from openmla.quant.mla_formats import MLA_FORMATS
             fmt = MLA_FORMATS[_openmla_kv_cache_dtype(kv_cache_dtype)]
             write_mla_cache(kv_c_normed, k_pe.reshape(k_pe.shape[0], -1), kv_cache,
                             slot_mapping.flatten(), fmt=fmt, check_slots=False)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mla.absorb import (
+from openmla.mla.absorb import (
     MLAWeightDims,
     dequantize_fp8_blocks,
     fold_o_proj,
@@ -25,7 +25,7 @@ from mla.absorb import (
     split_kv_b_proj,
 )
 from tests.helpers import assert_close, invalid_indices
-from tools import absorb as tool
+from openmla.tools import absorb as tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -467,8 +467,7 @@ def test_demo_runs_both_modes(capsys):
 
 _MEM_CHILD = r"""
 import glob, json, re, sys
-sys.path.insert(0, sys.argv[1])
-from tools import absorb
+from openmla.tools import absorb
 from safetensors.torch import load_file
 
 def rss(key):  # bytes; VmHWM is the peak since the last reset
@@ -481,12 +480,12 @@ def reset_peak():  # Linux: writing 5 to clear_refs resets VmHWM to the current 
 
 # Warm up on the small demo checkpoint: first-call costs (lazy imports, torch's first ops) are
 # paid once and do not grow with the checkpoint; what is measured next is what does.
-assert absorb.main([sys.argv[4], sys.argv[3] + "-warmup", "--mode", "fold"]) == 0
+assert absorb.main([sys.argv[3], sys.argv[2] + "-warmup", "--mode", "fold"]) == 0
 base = reset_peak()
-rc = absorb.main([sys.argv[2], sys.argv[3], "--mode", "fold"])
+rc = absorb.main([sys.argv[1], sys.argv[2], "--mode", "fold"])
 absorb_growth = rss("VmHWM") - base
 base = reset_peak()
-everything = [t.clone() for p in sorted(glob.glob(sys.argv[2] + "/*.safetensors")) for t in load_file(p).values()]
+everything = [t.clone() for p in sorted(glob.glob(sys.argv[1] + "/*.safetensors")) for t in load_file(p).values()]
 load_growth = rss("VmHWM") - base
 print(json.dumps({"rc": rc, "absorb": absorb_growth, "load": load_growth}))
 """
@@ -499,7 +498,7 @@ def test_peak_memory_stays_near_one_shard(demo_ckpt, tmp_path):
     ck = str(tmp_path / "ckpt")
     tool.build_demo_checkpoint(ck, num_shards=8, filler_bytes=shard)
     total = sum(os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck) if f.endswith(".safetensors"))
-    p = subprocess.run([sys.executable, "-c", _MEM_CHILD, REPO, ck, str(tmp_path / "out"), demo_ckpt()],
+    p = subprocess.run([sys.executable, "-c", _MEM_CHILD, ck, str(tmp_path / "out"), demo_ckpt()],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     m = json.loads(p.stdout.strip().splitlines()[-1])

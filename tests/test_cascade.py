@@ -13,9 +13,9 @@ tolerances), fp32 for lse.
 import pytest
 import torch
 
-from kernels.cascade import MIN_CASCADE_PREFIX, cascade_attention, use_cascade_attention
-from kernels.paged_attention import paged_attention
-from kernels.reference import paged_attention_ref
+from openmla.kernels.cascade import MIN_CASCADE_PREFIX, cascade_attention, use_cascade_attention
+from openmla.kernels.paged_attention import paged_attention
+from openmla.kernels.reference import paged_attention_ref
 from tests.helpers import DEVICE, assert_close, attention_options, paged_batch
 
 
@@ -78,7 +78,7 @@ def test_long_prefix_pass_is_split(monkeypatch):
     """The pseudo-request of a decode-heavy batch is a long query (many packed rows): cascade
     forces split-KV on it when its row blocks alone underfill the GPU (8 SMs on the CPU), and
     leaves short ones and the suffix pass to the kernel's own choice."""
-    import kernels.cascade as cascade_mod
+    import openmla.kernels.cascade as cascade_mod
     calls = []
 
     def spy(*args, **kwargs):

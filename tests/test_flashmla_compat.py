@@ -13,10 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from kernels import flashmla_compat
-from kernels.flashmla_compat import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
-from kernels.reference import sparse_mla_decode_ref, sparse_mla_ref
-from quant import BF16_MLA, FP8_DS_MLA
+from openmla.kernels import flashmla_compat
+from openmla.kernels.flashmla_compat import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
+from openmla.kernels.reference import sparse_mla_decode_ref, sparse_mla_ref
+from openmla.quant import BF16_MLA, FP8_DS_MLA
 from tests.helpers import DEVICE, assert_close, invalid_indices, random_paged_cache, shuffled_block_table
 
 INF = float("inf")

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels.index import convert_req_index_to_global
-from kernels.reference import convert_req_index_ref
+from openmla.kernels.index import convert_req_index_to_global
+from openmla.kernels.reference import convert_req_index_ref
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN
 
 

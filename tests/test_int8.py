@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quant.int8 import (
+from openmla.quant.int8 import (
     K_SMOOTH_RANGE,
     calibrate_k_smooth,
     calibrate_v_scale,

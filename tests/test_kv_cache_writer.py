@@ -3,8 +3,8 @@ negative slots are skipped, out-of-range slots raise (or are skipped with check_
 import pytest
 import torch
 
-from quant.int8 import quantize_per_channel_ref, quantize_per_token_head_ref
-from quant.kv_cache import quantize_fp8_per_tensor, write_kv_cache
+from openmla.quant.int8 import quantize_per_channel_ref, quantize_per_token_head_ref
+from openmla.quant.kv_cache import quantize_fp8_per_tensor, write_kv_cache
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, put_rows
 
 FP8 = torch.float8_e4m3fn

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention
-from kernels.reference import local_attention_ref
-from mla.local_attention import make_local_attention_virtual_batches
+from openmla.kernels.paged_attention import paged_attention
+from openmla.kernels.reference import local_attention_ref
+from openmla.mla.local_attention import make_local_attention_virtual_batches
 from tests.helpers import DEVICE, assert_close, attention_options, paged_batch
 
 

@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-from kernels.merge import merge_attn_states
-from kernels.varlen_attention import varlen_attention
-from kernels.reference import attention_varlen_ref, merge_attn_states_ref
+from openmla.kernels.merge import merge_attn_states
+from openmla.kernels.varlen_attention import varlen_attention
+from openmla.kernels.reference import attention_varlen_ref, merge_attn_states_ref
 from tests.helpers import DEVICE, assert_close
 
 INF = float("inf")

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import attention_varlen_ref, local_attention_ref, paged_attention_ref
-from mla import AttentionPlan, PagedAttentionImpl, build_attention_plan
-from quant.kv_cache import quantize_fp8_per_tensor
+from openmla.kernels.reference import attention_varlen_ref, local_attention_ref, paged_attention_ref
+from openmla.mla import AttentionPlan, PagedAttentionImpl, build_attention_plan
+from openmla.quant.kv_cache import quantize_fp8_per_tensor
 from tests.helpers import DEVICE, assert_close, nan_filled, prefix_sharing_block_table
 
 SCALES = (0.027, 0.019)  # fp8 k_scale, v_scale: randn / 0.027 spans ~ +-150 of e4m3's +-448

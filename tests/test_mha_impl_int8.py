@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from kernels.reference import paged_attention_ref
-from mla import PagedAttentionImpl
-from quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
+from openmla.kernels.reference import paged_attention_ref
+from openmla.mla import PagedAttentionImpl
+from openmla.quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
                         quantize_per_token_head_ref, save_v_scales)
 from tests.helpers import DEVICE, assert_close
 from tests.test_mha_impl import _plan, make_step

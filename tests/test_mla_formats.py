@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW, FP8DSMLAFormat, mla_format_of
+from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW, FP8DSMLAFormat, mla_format_of
 from tests.helpers import DEVICE
 
 F = FP8_DS_MLA

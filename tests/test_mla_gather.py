@@ -4,8 +4,8 @@ entries give zero rows without reading the cache, and bad arguments raise."""
 import pytest
 import torch
 
-from quant import FP8_DS_MLA, FP8_DS_MLA_RAW
-from quant.mla_gather import gather_upconvert
+from openmla.quant import FP8_DS_MLA, FP8_DS_MLA_RAW
+from openmla.quant.mla_gather import gather_upconvert
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, random_paged_cache
 
 

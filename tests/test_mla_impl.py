@@ -20,9 +20,9 @@ import math
 import pytest
 import torch
 
-from mla.absorb import attention_unabsorbed, dequantize_fp8_blocks, quantize_fp8_blocks
-from mla.impl import SparseMLAImpl
-from quant import BF16_MLA, FP8_DS_MLA
+from openmla.mla.absorb import attention_unabsorbed, dequantize_fp8_blocks, quantize_fp8_blocks
+from openmla.mla.impl import SparseMLAImpl
+from openmla.quant import BF16_MLA, FP8_DS_MLA
 from tests.helpers import (
     DEVICE, INT32_MAX, INT32_MIN, assert_close, random_paged_cache, shuffled_block_table,
 )

@@ -12,13 +12,13 @@ import random
 import pytest
 import torch
 
-from mla.metadata import (
+from openmla.mla.metadata import (
     MIN_HEADS_FOR_SEPARATE,
     SparseMLAPlan,
     build_sparse_mla_plan,
     split_prefill_chunks,
 )
-from quant import BF16_MLA, FP8_DS_MLA
+from openmla.quant import BF16_MLA, FP8_DS_MLA
 from tests.helpers import DEVICE, shuffled_block_table
 
 

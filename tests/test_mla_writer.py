@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
-from quant.mla_writer import write_mla_cache
+from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
+from openmla.quant.mla_writer import write_mla_cache
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, random_paged_cache
 from tests.test_mla_formats import near_pow2_amax, outlier_channels
 

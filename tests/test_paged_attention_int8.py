@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from kernels.cascade import cascade_attention
-from kernels.paged_attention import paged_attention
-from kernels.reference import paged_attention_ref
-from quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
+from openmla.kernels.cascade import cascade_attention
+from openmla.kernels.paged_attention import paged_attention
+from openmla.kernels.reference import paged_attention_ref
+from openmla.quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
                         quantize_per_token_head_ref)
-from quant.kv_cache import cache_dims, write_kv_cache
+from openmla.quant.kv_cache import cache_dims, write_kv_cache
 from tests.helpers import DEVICE, GPU_ONLY, assert_close, paged_batch
 from tests.test_paged_attention import _kv, build
 
@@ -251,7 +251,7 @@ def test_key_streams_match_oracle(mode, streams, bn, seqs, H, H_kv, D, bs, bopts
                                   monkeypatch):
     """One key stream per warp (the int8 decode configs' layout), with K smoothing: the same
     answers as the oracle."""
-    import kernels.paged_attention as pa
+    import openmla.kernels.paged_attention as pa
     cfg = pa._config(16, bn, streams, 3, streams=streams)
     monkeypatch.setattr(pa.paged_attention_kernel, "configs", [cfg])  # one config: no tuning
     seqs = [(q, _kv(kv)) for q, kv in seqs]

@@ -13,14 +13,14 @@ import math
 import pytest
 import torch
 
-from kernels.reference import (
+from openmla.kernels.reference import (
     attention_varlen_ref,
     merge_attn_states_ref,
     paged_attention_ref,
     sparse_mla_decode_ref,
     sparse_mla_ref,
 )
-from quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
+from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
 from tests.helpers import DEVICE, assert_close, invalid_indices, random_paged_cache, shuffled_block_table
 
 NEG_INF = float("-inf")

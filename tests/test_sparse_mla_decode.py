@@ -11,11 +11,11 @@ import re
 import pytest
 import torch
 
-from kernels.reference import sparse_mla_decode_ref
-from kernels import _sparse_mla_decode_sm90 as sm90
-from kernels import _sparse_mla_decode_sm90_kn as sm90_kn
-from kernels.sparse_mla_decode import _launch, sparse_mla_decode
-from quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
+from openmla.kernels.reference import sparse_mla_decode_ref
+from openmla.kernels import _sparse_mla_decode_sm90 as sm90
+from openmla.kernels import _sparse_mla_decode_sm90_kn as sm90_kn
+from openmla.kernels.sparse_mla_decode import _launch, sparse_mla_decode
+from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
 from tests.helpers import (DEVICE, GPU_ONLY, SM90_ONLY, assert_close, compile_gluon_sm90, invalid_indices,
                            random_paged_cache)
 
@@ -276,7 +276,7 @@ def test_sm90_kernel_compiles():
     of stack (five cross-warp reductions a step) measured 0.447 ms at T128 H128 against 0.355 with
     the 8 bytes of today (H200), so a change that brings them back fails here."""
     got = compile_gluon_sm90(
-        "kernels._sparse_mla_decode_sm90", "sparse_mla_decode_sm90_kernel",
+        "openmla.kernels._sparse_mla_decode_sm90", "sparse_mla_decode_sm90_kernel",
         dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_H=sm90.BLOCK_H,
              BLOCK_N=sm90.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528),
         ["*bf16", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90.NUM_WARPS)
@@ -295,7 +295,7 @@ def test_sm90_kn_kernel_compiles(block_h):
     addresses, reloaded from L1: 24 / 160 bytes at 16 / 32 heads); twice the reductions a step
     spilled 192 / 304 bytes and measured 0.103 / 0.119 ms against 0.073 / 0.104 (T128, H200)."""
     got = compile_gluon_sm90(
-        "kernels._sparse_mla_decode_sm90_kn", "sparse_mla_decode_sm90_kn_kernel",
+        "openmla.kernels._sparse_mla_decode_sm90_kn", "sparse_mla_decode_sm90_kn_kernel",
         dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_H=block_h,
              BLOCK_N=sm90_kn.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528, BS_SHIFT=6),
         ["*bf16", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90_kn.NUM_WARPS)

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import _sparse_mla_prefill_sm90 as sm90
-from kernels import _sparse_mla_prefill_sm90_kn as sm90_kn
-from kernels._device import sm90_gluon
-from kernels.reference import sparse_mla_ref
-from kernels.sparse_mla_prefill import sparse_mla_prefill
+from openmla.kernels import _sparse_mla_prefill_sm90 as sm90
+from openmla.kernels import _sparse_mla_prefill_sm90_kn as sm90_kn
+from openmla.kernels._device import sm90_gluon
+from openmla.kernels.reference import sparse_mla_ref
+from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from tests.helpers import DEVICE, GPU_ONLY, SM90_ONLY, assert_close, compile_gluon_sm90, invalid_indices
 
 DEFAULT_SCALE = 576 ** -0.5
@@ -211,7 +211,7 @@ def test_sm90_kernel_compiles_without_spills():
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
     that breaks it, spills or outgrows shared memory fails on the CPU too."""
     got = compile_gluon_sm90(
-        "kernels._sparse_mla_prefill_sm90", "sparse_mla_prefill_sm90_kernel",
+        "openmla.kernels._sparse_mla_prefill_sm90", "sparse_mla_prefill_sm90_kernel",
         dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=64,
              BLOCK_H=sm90.BLOCK_H, BLOCK_N=sm90.BLOCK_N),
         ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90.NUM_WARPS)
@@ -229,7 +229,7 @@ def test_sm90_kn_kernel_compiles(block_h):
     producer its 16-byte gathers (32 latent + 4 rope per thread per block of 64 rows). It spills a
     few loop-invariant values at 32 heads (reloaded from L1): accepted, see the module docstring."""
     got = compile_gluon_sm90(
-        "kernels._sparse_mla_prefill_sm90_kn", "sparse_mla_prefill_sm90_kn_kernel",
+        "openmla.kernels._sparse_mla_prefill_sm90_kn", "sparse_mla_prefill_sm90_kn_kernel",
         dict(HAS_LEN=True, HAS_SINK=True, OFF32=True, D_LAT=512, D_ROPE=64, BLOCK_H=block_h,
              BLOCK_N=sm90_kn.BLOCK_N, C_REGS=sm90_kn.C_REGS, TAU=sm90_kn.TAU),
         ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90_kn.NUM_WARPS)

@@ -16,10 +16,10 @@ import shutil
 import pytest
 import torch
 
-from kernels import reference
-from quant import FP8_DS_MLA, FP8DSMLAFormat
+from openmla.kernels import reference
+from openmla.quant import FP8_DS_MLA, FP8DSMLAFormat
 from tests.helpers import DEVICE, assert_close
-from tools import bench, docs, sweep
+from openmla.tools import bench, docs, sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

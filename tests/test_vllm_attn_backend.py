@@ -37,8 +37,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-import mla.vllm_attn_backend as ab  # noqa: E402
-from kernels.reference import attention_varlen_ref  # noqa: E402
+import openmla.mla.vllm_attn_backend as ab  # noqa: E402
+from openmla.kernels.reference import attention_varlen_ref  # noqa: E402
 from tests.helpers import DEVICE, assert_close  # noqa: E402
 from tests.test_mha_impl import MIXED, SCALES, _caches_of, _impl, _oracle, make_step  # noqa: E402
 
@@ -327,12 +327,12 @@ def test_chosen_backend_unpickles_in_a_process_without_plugins():
     from vllm.config import AttentionConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    import mla.vllm_backend as vb
+    import openmla.mla.vllm_backend as vb
     vb.register()
     data = pickle.dumps([AttentionConfig(backend="OPENMLA_ATTN"),
                          AttentionBackendEnum.OPENMLA_SPARSE, AttentionBackendEnum.FLASH_ATTN])
     code = ("import pickle, sys\n"
-            "assert 'mla.vllm_backend' not in sys.modules\n"
+            "assert 'openmla.mla.vllm_backend' not in sys.modules\n"
             "config, sparse, flash = pickle.loads(sys.stdin.buffer.read())\n"
             "from vllm.v1.attention.backends.registry import AttentionBackendEnum as B\n"
             "print(config.backend.name, config.backend is B.OPENMLA_ATTN,"

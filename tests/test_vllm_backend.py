@@ -43,12 +43,12 @@ def registered_in_fresh_process(name):
         "import sys\n"
         "from importlib.metadata import entry_points\n"
         "eps = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'openmla']\n"
-        "assert [e.value for e in eps] == ['mla.vllm_backend:register'], eps\n"
-        "assert 'mla.vllm_backend' not in sys.modules\n"
+        "assert [e.value for e in eps] == ['openmla.mla.vllm_backend:register'], eps\n"
+        "assert 'openmla.mla.vllm_backend' not in sys.modules\n"
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
-        "import mla.vllm_backend\n"
-        "mla.vllm_backend.register()\n"
+        "import openmla.mla.vllm_backend\n"
+        "openmla.mla.vllm_backend.register()\n"
         "from vllm.config import AttentionConfig\n"
         f"backend = AttentionConfig(backend={name.lower()!r}).backend\n"
         "cls = backend.get_class()\n"
@@ -64,8 +64,8 @@ vllm = import_vllm()
 
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
-import mla.vllm_backend as vb  # noqa: E402
-from mla.impl import SparseMLAImpl  # noqa: E402
+import openmla.mla.vllm_backend as vb  # noqa: E402
+from openmla.mla.impl import SparseMLAImpl  # noqa: E402
 from tests.helpers import DEVICE, assert_close, random_paged_cache  # noqa: E402
 from tests.test_mla_impl import (  # noqa: E402
     EMPTY_ROWS, MIXED_BATCH, N_NOPE, ROPE, SCALE, V_DIM, L, FORMATS, Step, kv_b_proj_fp8,

@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
-from mla.absorb import FP8_WEIGHT_BLOCK, quantize_fp8_blocks, scale_inv_shape
-from tools._checkpoint import CONFIG_NAME, INDEX_NAME
+from openmla.mla.absorb import FP8_WEIGHT_BLOCK, quantize_fp8_blocks, scale_inv_shape
+from openmla.tools._checkpoint import CONFIG_NAME, INDEX_NAME
 
 DEMO_DIMS = dict(num_attention_heads=4, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=20,
                  kv_lora_rank=144, q_lora_rank=200, hidden_size=160)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from tools._bench_core import Op, register, rel_l2
-from kernels import reference
-from quant import FP8_E4M3_MAX
-from quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor
+from openmla.tools._bench_core import Op, register, rel_l2
+from openmla.kernels import reference
+from openmla.quant import FP8_E4M3_MAX
+from openmla.quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor
 
 
 # --------------------------------------------------------------------------------------------
@@ -31,7 +31,7 @@ def _paged_build(p, device):
 
 
 def _paged_run(x):
-    from kernels.paged_attention import paged_attention
+    from openmla.kernels.paged_attention import paged_attention
     return paged_attention(x["q"], x["k"], x["v"], x["table"], x["cu"], x["lens"], scale=x["scale"],
                            causal=True, max_query_len=x["ql"])
 
@@ -88,7 +88,7 @@ register(Op(
 # int8_qk, next to the same bf16 rows above (speed ratio) and the memory roofline of their bytes
 def _int8_build(p, device):
     # the torch quantizers (byte-equal to the Triton ones; the build is not timed)
-    from quant.int8 import calibrate_v_scale, quantize_per_channel_ref, quantize_per_token_head_ref
+    from openmla.quant.int8 import calibrate_v_scale, quantize_per_channel_ref, quantize_per_token_head_ref
     x = _paged_build(p, device)
     nb, bs, Hkv, D = x["k"].shape
     k8, ks = quantize_per_token_head_ref(x["k"].view(nb * bs, Hkv, D))
@@ -102,7 +102,7 @@ def _int8_build(p, device):
 
 
 def _int8_run(x):
-    from kernels.paged_attention import paged_attention
+    from openmla.kernels.paged_attention import paged_attention
     return paged_attention(x["q"], x["k"], x["v"], x["table"], x["cu"], x["lens"], scale=x["scale"],
                            causal=True, max_query_len=x["ql"], k_scale_cache=x["ksc"], v_scale=x["v_scale"])
 
@@ -159,7 +159,7 @@ def _merge_build(p, device):
 
 
 def _merge_run(x):
-    from kernels.merge import merge_attn_states
+    from openmla.kernels.merge import merge_attn_states
     merge_attn_states(x["out"], x["a"], x["a_lse"], x["b"], x["b_lse"], out_lse=x["out_lse"])
     return x["out"]
 
@@ -210,7 +210,7 @@ def _kvw_build(p, device):
 
 
 def _kvw_run(x):
-    from quant.kv_cache import write_kv_cache
+    from openmla.quant.kv_cache import write_kv_cache
     write_kv_cache(x["k"], x["v"], x["kc"], x["vc"], x["slots"], k_scale=x["k_scale"], v_scale=x["v_scale"],
                    check_slots=False)
     return x["kc"]
@@ -269,7 +269,7 @@ def _varlen_build(p, device):
 
 
 def _varlen_run(x):
-    from kernels.varlen_attention import varlen_attention
+    from openmla.kernels.varlen_attention import varlen_attention
     return varlen_attention(x["q"], x["k"], x["v"], x["cu"], x["cu"], scale=x["scale"], causal=x["causal"],
                             max_query_len=x["L"], max_kv_len=x["L"])
 

@@ -10,9 +10,9 @@ from typing import Callable
 
 import torch
 
-from tools._bench_core import Op, register, rel_l2
-from kernels import reference
-from quant import BF16_MLA, FP8_DS_MLA
+from openmla.tools._bench_core import Op, register, rel_l2
+from openmla.kernels import reference
+from openmla.quant import BF16_MLA, FP8_DS_MLA
 
 CHECK_TOKENS = 8  # the oracle runs in float64: check a slice of the tokens, time them all
 
@@ -62,7 +62,7 @@ def _decode_build(p, device):
 
 
 def _decode_run(x):
-    from kernels.sparse_mla_decode import sparse_mla_decode
+    from openmla.kernels.sparse_mla_decode import sparse_mla_decode
     return sparse_mla_decode(x["q"], x["cache"], x["indices"], scale=x["scale"])[0]
 
 
@@ -114,7 +114,7 @@ def _prefill_build(p, device):
 
 
 def _prefill_run(x):
-    from kernels.sparse_mla_prefill import sparse_mla_prefill
+    from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
     return sparse_mla_prefill(x["q"], x["kv"], x["indices"], scale=x["scale"])[0]
 
 
@@ -159,7 +159,7 @@ def _write_build(p, device):
 
 
 def _write_run(x):
-    from quant.mla_writer import write_mla_cache
+    from openmla.quant.mla_writer import write_mla_cache
     write_mla_cache(x["kv_c"], x["k_pe"], x["cache"], x["slots"], check_slots=False)
     return x["cache"]
 
@@ -208,7 +208,7 @@ def _gather_build(p, device):
 
 
 def _gather_run(x):
-    from quant.mla_gather import gather_upconvert
+    from openmla.quant.mla_gather import gather_upconvert
     gather_upconvert(x["cache"], x["dst"], x["table"], x["seq_lens"], x["starts"], max_seq_len=x["seq"])
     return x["dst"]
 
@@ -252,7 +252,7 @@ def _convert_build(p, device):
 
 
 def _convert_run(x):
-    from kernels.index import convert_req_index_to_global
+    from openmla.kernels.index import convert_req_index_to_global
     return convert_req_index_to_global(x["req_id"], x["table"], x["idx"], x["bs"])
 
 

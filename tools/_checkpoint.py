@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mla.absorb import FP8_WEIGHT_BLOCK, scale_inv_shape, weight_to_fp32
+from openmla.mla.absorb import FP8_WEIGHT_BLOCK, scale_inv_shape, weight_to_fp32
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"

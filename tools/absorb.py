@@ -38,9 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mla.absorb import (  # noqa: E402
+from openmla.mla.absorb import (
     MLAWeightDims,
     fold_o_proj,
     fold_q_proj,
@@ -49,8 +48,8 @@ from mla.absorb import (  # noqa: E402
     layer_output_unabsorbed,
     split_kv_b_proj,
 )
-from tools._absorb_demo import build_demo_checkpoint, run_demo  # noqa: E402,F401 (tests use it)
-from tools._checkpoint import (  # noqa: E402
+from openmla.tools._absorb_demo import build_demo_checkpoint, run_demo  # noqa: E402,F401 (tests use it)
+from openmla.tools._checkpoint import (
     CONFIG_NAME,
     INDEX_NAME,
     ITEMSIZE,

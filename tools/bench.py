@@ -34,14 +34,13 @@ from dataclasses import asdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Imported first: without a GPU it sets TRITON_INTERPRET=1, which must precede importing triton.
-from tools._bench_core import GPU, REGISTRY, Case, Op, register, rel_l2  # noqa: E402,F401  (re-exported)
+from openmla.tools._bench_core import GPU, REGISTRY, Case, Op, register, rel_l2  # noqa: E402,F401  (re-exported)
 # The op entries: each module registers its ops on import.
-from tools import _bench_mla  # noqa: E402,F401
-from tools import _bench_mha  # noqa: E402,F401
-from quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor  # noqa: E402,F401  (tools/sweep.py)
+from openmla.tools import _bench_mla  # noqa: E402,F401
+from openmla.tools import _bench_mha  # noqa: E402,F401
+from openmla.quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor  # noqa: E402,F401  (tools/sweep.py)
 from triton.runtime.errors import InterpreterError  # noqa: E402
 
 CPU_WARNING = ("WARNING: no GPU: kernels ran in Triton's interpreter on the CPU. The times below "

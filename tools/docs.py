@@ -24,8 +24,6 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = re.compile(r"<!-- generated:(?P<name>[\w./-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
 
@@ -40,7 +38,7 @@ regenerates the tables below from them.
 
 def _renderers():
     # Imported here: the tools pull in torch and triton, which --help does not need.
-    from tools import bench, sweep
+    from openmla.tools import bench, sweep
     return {"bench": ("benchmarks.md", bench.report), "accuracy": ("accuracy.md", sweep.report)}
 
 

@@ -48,11 +48,10 @@ GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "
 if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import reference  # noqa: E402
-from quant import FP8_E4M3_MAX, MLA_FORMATS  # noqa: E402
-from tools.bench import fp8_per_tensor, git_revision  # noqa: E402  (bench imports no sweep)
+from openmla.kernels import reference  # noqa: E402
+from openmla.quant import FP8_E4M3_MAX, MLA_FORMATS  # noqa: E402
+from openmla.tools.bench import fp8_per_tensor, git_revision  # noqa: E402  (bench imports no sweep)
 
 DATA_KINDS = ("gaussian", "outliers", "heavy_tailed")
 MLA_SCALE = 192 ** -0.5  # DeepSeek V2/V3: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), no mscale
@@ -157,7 +156,7 @@ def _mla_format(name: str, about: str) -> Format:
         return {"q": x["q"], "kv": fmt.unpack(cache).reshape(-1, fmt.head_dim)}
 
     def kernel(x, cache):
-        from kernels.sparse_mla_decode import sparse_mla_decode
+        from openmla.kernels.sparse_mla_decode import sparse_mla_decode
         return sparse_mla_decode(x["q"], cache, x["indices"], scale=x["scale"])
 
     return Format(name, "mla", about, quantize, dequantize, kernel)
@@ -194,7 +193,7 @@ def _paged(t: torch.Tensor, table: torch.Tensor, bs: int, num_blocks: int) -> to
 
 
 def _mha_kernel(x, st):
-    from kernels.paged_attention import paged_attention
+    from openmla.kernels.paged_attention import paged_attention
     nb = x["num_blocks"]
     kc = _paged(st["k"], x["table"], x["block_size"], nb)
     vc = _paged(st["v"], x["table"], x["block_size"], nb)
@@ -206,7 +205,7 @@ def _mha_kernel(x, st):
 def _int8_quantize(x, *, v_int8: bool, smooth: bool = False):
     """int8 K per (token, head); int8_qkv: V per channel with the abs-max calibrated on this V;
     smooth: K / f first, f = calibrate_k_smooth(these keys, these queries)."""
-    from quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
+    from openmla.quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
                             quantize_per_token_head_ref)
     f = calibrate_k_smooth(x["k"], x["q"]) if smooth else None
     k8, ks = quantize_per_token_head_ref(x["k"] if f is None else x["k"].float() / f)
@@ -219,7 +218,7 @@ def _int8_quantize(x, *, v_int8: bool, smooth: bool = False):
 
 def _int8_dequantize(x, st):
     """What the kernel computes with: q quantized per (token, head) at attention time, too."""
-    from quant.int8 import dequantize_per_token_head, quantize_per_token_head_ref
+    from openmla.quant.int8 import dequantize_per_token_head, quantize_per_token_head_ref
     q = x["q"]
     if st["k_smooth"] is not None:  # the kernel quantizes q * f (q.k unchanged before rounding)
         q = q.float() * st["k_smooth"].repeat_interleave(q.shape[1] // st["k_smooth"].shape[0], 0)
@@ -229,7 +228,7 @@ def _int8_dequantize(x, st):
 
 
 def _int8_kernel(x, st):
-    from kernels.paged_attention import paged_attention
+    from openmla.kernels.paged_attention import paged_attention
     nb, bs = x["num_blocks"], x["block_size"]
     kc = _paged(st["k"], x["table"], bs, nb)
     vc = _paged(st["v"], x["table"], bs, nb)
