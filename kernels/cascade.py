@@ -14,34 +14,27 @@ R times. Cascade attention (vLLM's FlashAttention backend, FlashInfer's cascade)
 
 The result equals `paged_attention` over the whole context. The prefix must be whole blocks
 (vLLM asserts it; its model runner rounds the shared prefix down to whole blocks, as
-`mla.attention_plan.build_attention_plan` does) and no longer than any request's context
+`mla.mha.plan.build_attention_plan` does) and no longer than any request's context
 (seq_len - q_len): the prefix keys are then visible to every query. Sliding windows and ALiBi
 depend on each query's own position and are not supported (as in vLLM).
 
-`use_cascade_attention` is vLLM's heuristic deciding when this pays off.
+When it pays off is vLLM's heuristic, at the layer level: `mla.mha.cascade.use_cascade_attention`.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional
 
-import numpy as np
 import torch
 import triton
 
-from openmla.kernels._device import num_sms
+from openmla.kernels.device import num_sms
 from openmla.kernels.merge import merge_attn_states
 from openmla.kernels.paged_attention import SHORT_MAX_Q, SHORT_MAX_ROWS, paged_attention
-from openmla.quant._validate import check_tensor, fail
+from openmla.quant.validate import check_tensor, fail
 from openmla.quant.kv_cache import LAYOUTS, cache_dims
 
-__all__ = ["cascade_attention", "use_cascade_attention", "MIN_CASCADE_PREFIX", "MIN_CASCADE_REQS"]
+__all__ = ["cascade_attention"]
 
-# vLLM's thresholds (use_cascade_attention): shorter prefixes and smaller batches never pay off.
-MIN_CASCADE_PREFIX = 256
-MIN_CASCADE_REQS = 8
-# vLLM's performance model assumes FlashAttention's default 128 x 128 tiles.
-_Q_TILE = 128
-_KV_TILE = 128
 # Prefix pass of many rows (the kernel's long-query class, which never splits on its own): split
 # its keys when the row blocks alone leave the GPU underfilled. Rows per program assumed 64 (the
 # kernel's typical BLOCK_M); a split keeps >= 256 keys; at most 64 splits; 2 programs per SM.
@@ -49,59 +42,6 @@ _PREFIX_ROWS_PER_PROGRAM = 64
 _PREFIX_MIN_KEYS_PER_SPLIT = 256
 _PREFIX_MAX_SPLITS = 64
 _PREFIX_WAVES = 2
-
-HostInts = Union[Sequence[int], np.ndarray, torch.Tensor]
-
-
-def use_cascade_attention(common_prefix_len: int, query_lens: HostInts, num_query_heads: int,
-                          num_kv_heads: int, *, use_alibi: bool = False,
-                          use_sliding_window: bool = False, use_local_attention: bool = False,
-                          num_sms: int, dcp_world_size: int = 1) -> bool:
-    """vLLM's decision (FlashAttention backend, `use_cascade_attention`): is cascade attention
-    supported here and likely faster than plain attention? Host-only, no device access.
-
-    Args:
-        common_prefix_len: tokens shared by every request (already whole blocks and <= every
-            request's context, as the engine computes it).
-        query_lens: [R] host ints, query tokens per request.
-        num_query_heads, num_kv_heads: H and H_kv of the layer.
-        use_alibi, use_sliding_window, use_local_attention: layer features cascade does not
-            support.
-        num_sms: streaming multiprocessors of the GPU (`kernels._device.num_sms`).
-        dcp_world_size: decode context parallelism; > 1 disables cascade (as vLLM).
-
-    Rules, in order (vLLM's):
-        1. common_prefix_len < 256: False (too short to pay off; the common case).
-        2. ALiBi, sliding window or local attention: False (unsupported).
-        3. fewer than 8 requests: False. 4. dcp_world_size > 1: False.
-        5. Plain attention would not use FlashDecoding (GQA ratio 1, or some query_len != 1):
-           True, cascade saves the repeated prefix reads.
-        6. Otherwise compare a rough model: cascade runs H * cdiv(R, 128) CTAs per 128-key
-           prefix tile in waves of num_sms; FlashDecoding runs R * H_kv * cdiv(H / H_kv, 128)
-           CTAs per tile. True when cdiv(cascade CTAs, num_sms) * tiles <
-           cdiv(FlashDecoding CTAs * tiles, num_sms).
-    """
-    if common_prefix_len < MIN_CASCADE_PREFIX:
-        return False
-    if use_alibi or use_sliding_window or use_local_attention:
-        return False
-    lens = np.asarray(query_lens.tolist() if isinstance(query_lens, torch.Tensor) else query_lens)
-    num_reqs = int(lens.shape[0])
-    if num_reqs < MIN_CASCADE_REQS:
-        return False
-    if dcp_world_size > 1:
-        return False
-    gqa = num_query_heads // num_kv_heads
-    flash_decoding = gqa > 1 and bool(np.all(lens == 1))
-    if not flash_decoding:
-        return True
-    tiles = triton.cdiv(common_prefix_len, _KV_TILE)
-    cascade_ctas = num_query_heads * triton.cdiv(num_reqs, _Q_TILE)  # one token per request
-    cascade_time = triton.cdiv(cascade_ctas, num_sms) * tiles
-    decoding_ctas = num_reqs * num_kv_heads * triton.cdiv(gqa, _Q_TILE) * tiles
-    decoding_time = triton.cdiv(decoding_ctas, num_sms)
-    return cascade_time < decoding_time
-
 
 def _prefix_num_splits(rows: int, tokens: int, h_kv: int, prefix_len: int,
                        device: torch.device) -> Optional[int]:
@@ -149,7 +89,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             None: as paged_attention (may read cu_seqlens_q once).
         prefix_cu_seqlens_q: [2] int32 = [0, cu_seqlens_q[R]]; prefix_seq_lens: [1] int32 =
             [common_prefix_len]; suffix_seq_lens: [R] int32 = seq_lens - common_prefix_len.
-            Device tensors a plan builds once per step (mla.attention_plan.build_attention_plan);
+            Device tensors a plan builds once per step (mla.mha.plan.build_attention_plan);
             computed here on the device when None (no host sync either way).
 
     Returns out [T, H, D] in q's dtype (and lse [T, H] fp32 with return_lse), equal to

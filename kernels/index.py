@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openmla.quant._validate import check_same_device, check_tensor, fail
+from openmla.quant.validate import check_same_device, check_tensor, fail
 
 _INT32_MAX = 2**31 - 1
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openmla.quant._validate import check_same_device, check_tensor
+from openmla.quant.validate import check_same_device, check_tensor
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -58,10 +58,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from openmla.kernels._device import num_sms
+from openmla.kernels.device import num_sms
 from openmla.kernels.merge import merge_finish, merge_step
 from openmla.quant.int8 import INT8_SCALE_FLOOR, int8_quantize_rows
-from openmla.quant._validate import check_same_device, check_tensor, fail
+from openmla.quant.validate import check_same_device, check_tensor, fail
 from openmla.quant.kv_cache import LAYOUTS, cache_dims, cache_strides, check_int8_cache_scales
 
 LOG2E = 1.4426950408889634

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from openmla.quant._validate import check_tensor, fail
+from openmla.quant.validate import check_tensor, fail
 from openmla.quant.int8 import dequantize_per_token_head, quantize_per_token_head_ref
 from openmla.quant.mla_formats import mla_format_of
 

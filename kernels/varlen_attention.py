@@ -13,7 +13,7 @@ import torch
 
 from openmla.kernels.paged_attention import (check_attention_options, check_q_out, launch_attention,
                                      query_len_bound)
-from openmla.quant._validate import check_same_device, check_tensor, fail
+from openmla.quant.validate import check_same_device, check_tensor, fail
 
 
 @torch.library.custom_op("openmla::varlen_attention", mutates_args=("out", "lse"))

@@ -1,4 +1,11 @@
-"""openmla layer level: dimensions, plans, impl classes, the vLLM adapter.
+"""openmla layer level: dimensions, plans, impl classes, the vLLM adapters.
+
+    sparse/           the sparse MLA layer: plan.py (per-step plan), impl.py (SparseMLAImpl)
+    mha/              the general MHA/GQA layer: plan.py, impl.py (PagedAttentionImpl),
+                      local.py (chunked local attention), cascade.py (vLLM's cascade heuristic)
+    vllm/             the vLLM 0.32 backends OPENMLA_SPARSE (sparse.py) and OPENMLA_ATTN (attn.py)
+    flashmla_compat   FlashMLA's sparse API over openmla's ops
+    absorb            weight absorption (W_UK / W_UV) on checkpoints
 
 Dimension glossary (DESIGN.md; every module uses these names):
 
@@ -23,28 +30,28 @@ D_V = KV_LORA_RANK
 
 __all__ = ["KV_LORA_RANK", "ROPE_DIM", "D_QK", "D_V"]
 
-from .metadata import (  # noqa: E402  (sparse MLA per-step plan)
+from .sparse.plan import (  # noqa: E402  (sparse MLA per-step plan)
     PrefillChunk,
     SparseMLAPlan,
     build_sparse_mla_plan,
     split_prefill_chunks,
 )
-from .impl import SparseMLAImpl  # noqa: E402  (sparse MLA layer)
+from .sparse.impl import SparseMLAImpl  # noqa: E402  (sparse MLA layer)
 
 __all__ += ["PrefillChunk", "SparseMLAPlan", "build_sparse_mla_plan", "split_prefill_chunks",
             "SparseMLAImpl"]
 
-from .local_attention import (  # noqa: E402  (chunked local attention virtual batches)
+from .mha.local import (  # noqa: E402  (chunked local attention virtual batches)
     LocalAttentionBatch,
     make_local_attention_virtual_batches,
 )
-from .attention_plan import (  # noqa: E402  (general MHA/GQA per-step plan)
+from .mha.plan import (  # noqa: E402  (general MHA/GQA per-step plan)
     AttentionPlan,
     AttentionSubPlan,
     CascadePlan,
     build_attention_plan,
 )
-from .attention import PagedAttentionImpl  # noqa: E402  (general MHA/GQA layer over a paged cache)
+from .mha.impl import PagedAttentionImpl  # noqa: E402  (general MHA/GQA layer over a paged cache)
 
 __all__ += ["LocalAttentionBatch", "make_local_attention_virtual_batches", "AttentionPlan",
             "AttentionSubPlan", "CascadePlan", "PagedAttentionImpl", "build_attention_plan"]

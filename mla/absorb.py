@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 import torch
 
 from openmla.kernels.reference import sparse_mla_ref
-from openmla.quant._validate import check_tensor, fail
+from openmla.quant.validate import check_tensor, fail
 
 __all__ = [
     "FP8_WEIGHT_BLOCK",

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._validate import check_same_device, check_tensor, fail
+from .validate import check_same_device, check_tensor, fail
 
 INT8_MAX = 127  # symmetric range: -127..127
 INT8_SCALE_FLOOR = 1e-8  # the scale of an all-zero group (fp32 1e-8)

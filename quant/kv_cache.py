@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import check_same_device, check_tensor, fail
+from .validate import check_same_device, check_tensor, fail
 from .int8 import INT8_SCALE_FLOOR, int8_quantize_rows, int8_quantize_with_scale
 from .mla_formats import FP8_E4M3_MAX
 

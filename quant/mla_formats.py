@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import check_tensor, fail
+from .validate import check_tensor, fail
 
 FP8_E4M3_MAX = 448.0
 _SCALE_RULES = ("pow2", "raw")

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import check_same_device, check_tensor, fail
+from .validate import check_same_device, check_tensor, fail
 from .mla_formats import FP8_DS_MLA, mla_format_of
 from .mla_writer import check_fp32_aligned_rows
 

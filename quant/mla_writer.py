@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._validate import check_same_device, check_tensor, fail
+from .validate import check_same_device, check_tensor, fail
 from .mla_formats import FP8_E4M3_MAX, BF16MLAFormat, FP8DSMLAFormat, mla_format_of
 
 _FLT_MIN = float(torch.finfo(torch.float32).tiny)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from openmla.kernels._device import sm90_gluon
+from openmla.kernels.device import sm90_gluon
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"

@@ -6,7 +6,8 @@
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+. "$(dirname "$0")/dev_path.sh"  # openmla importable without an install
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 start=$(date +%s)

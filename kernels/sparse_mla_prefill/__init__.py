@@ -1,0 +1,10 @@
+"""Sparse MLA prefill over a bf16 workspace: the public op `sparse_mla_prefill`.
+
+    op.py       the public op, its dispatch and the portable Triton kernel (any GPU)
+    sm90.py     Gluon kernel for Hopper, 64-head blocks
+    sm90_kn.py  Gluon kernel for Hopper, <= 32 heads: keys on the wgmma M, a producer warpgroup
+    shared.py   the row finish (1/sum, lse, sink share) all three compile
+"""
+from .op import sparse_mla_prefill
+
+__all__ = ["sparse_mla_prefill"]

@@ -1,0 +1,304 @@
+"""Sparse MLA prefill over a bf16 workspace: each query token attends to its own top-k rows.
+
+    out[t, h]  = sum_j softmax_j(scale * q[t, h] . kv[i_j]) * kv[i_j, :512],  i_j = indices[t, j]
+
+over the valid j (0 <= i_j < N and j < topk_length[t]). The 576 dims of q and kv are a 512-wide
+latent part ("nope", also the value) and a 64-wide rope part.
+
+One kernel, `sparse_mla_prefill_kernel`: a program owns one query token and a block of heads
+(16, 32 or 64, never more: the [heads, 512] fp32 accumulator lives in registers), and walks the
+token's indices BLOCK_N at a time with an online softmax in base 2 (log2(e) folded into the
+scale). Per block of rows:
+
+- the rows are gathered once, as three tiles: latent[:256], latent[256:], rope. Three score dots
+  (no padding of 576 to 640) and two value dots that reuse the two latent tiles as V. The halves
+  also give each thread fewer distinct rows to address (Triton spreads a 512-wide tile over the
+  warps of a row; a 256-wide one fits one warp), which measured 15% faster at H = 16.
+- the loads are masked (an invalid index is never read) and software-pipelined (num_stages):
+  the compiler turns them into asynchronous copies into shared memory, a block ahead. For 16- and
+  32-head blocks the next block's indices are loaded one iteration early into registers
+  (PREFETCH): with the index load inside the iteration, Triton waits for every copy, the next
+  block's included, at each step; prefetched, the copy of block i+1 overlaps block i's dots.
+- row offsets are 32-bit when the whole workspace is addressable so (OFF32, host-checked):
+  fewer integer instructions per gathered row in a loop that is instruction-bound.
+- heads are the M of the dots: 64-head blocks run Hopper wgmma (M = 64 per warpgroup), 16- and
+  32-head blocks mma.sync, so a small head count pays for no padding to 64.
+
+On Hopper (Gluon available, kv rows on 16 bytes) two Gluon kernels take over: H <= 32 runs with
+keys on the wgmma M, warp-specialised (kernels/sparse_mla_prefill/sm90_kn.py), H > 32 in 64-head
+blocks (kernels/sparse_mla_prefill/sm90.py: score tile split over the two warpgroups, the next
+rows' gather issued a whole step ahead). This kernel serves everything else (other GPUs, the
+interpreter, OPENMLA_SM90_GLUON=0, unaligned rows).
+
+Measured on an H200, 2026-11-22 (tools/bench.py): 4096 tokens, 32768 rows, topk 2048: see
+docs/benchmarks.md (H = 16 / 32 with the keys-on-M kernel: 1.54 / 2.05 ms, this kernel 2.23 /
+3.21; H = 64 / 128 with the 64-head one: 3.10 / 6.11 ms, this kernel 4.94 / 9.42). FlashMLA:
+2.33 / 2.17 / 2.17 / 4.19. Notes and the variants tried: docs/notes/sparse_mla_prefill.md.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
+from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
+from openmla.kernels.sparse_mla_prefill.shared import finish_rows
+from openmla.quant.validate import check_same_device, check_tensor, fail
+from openmla.quant.mla_formats import BF16_MLA
+
+D_LAT = BF16_MLA.latent_dim  # 512, also the value width
+D_ROPE = BF16_MLA.rope_dim  # 64
+D_QK = D_LAT + D_ROPE  # 576
+
+_SMEM_BYTES = 227 * 1024  # per-block shared-memory limit of sm_90
+_LOG2E = 1.4426950408889634
+
+
+def _block_h(H: int) -> int:
+    """Heads per program: the smallest of 16 / 32 / 64 that holds H (tensor-core M is >= 16)."""
+    return 16 if H <= 16 else 32 if H <= 32 else 64
+
+
+def _bucket(x: int, lo: int, hi: int) -> int:
+    """Shape class for autotune keys: the next power of two of x, clamped to [lo, hi]."""
+    return min(max(triton.next_power_of_2(max(int(x), 1)), lo), hi)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autotune configs
+# ---------------------------------------------------------------------------------------------
+_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "PREFETCH": pf}, num_warps=w, num_stages=s)
+    for pf in (True, False) for bn, s in ((32, 3), (32, 5), (64, 3)) for w in (4, 8)
+]
+
+
+def _smem_estimate(block_h: int, block_n: int, stages: int, prefetch: bool) -> int:
+    """Shared memory of a config, at most: q (bf16, resident) plus the row buffers. Buffers Triton
+    3.6 allocated in sm_90 compiles (2026-11-22): with the index load in the loop max(stages - 2, 2)
+    (the index load and the consumer take a stage each); with prefetched indices stages - 1 under
+    mma.sync and stages under wgmma (the value wgmma of block i-1 still reads its buffer while
+    block i+1 is copied)."""
+    buffers = (stages if block_h >= 64 else stages - 1) if prefetch else max(stages - 2, 2)
+    return block_h * D_QK * 2 + buffers * block_n * D_QK * 2
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Configs worth timing for this head block; each rule says why it drops a config."""
+    block_h = kwargs["BLOCK_H"]
+    kept = []
+    for c in configs:
+        bn, w, s, pf = c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs["PREFETCH"]
+        if block_h >= 64:
+            # The [64, 512] fp32 accumulator is 128 registers a thread at 8 warps; at 4 warps it
+            # would be 256, more than a thread has.
+            if w != 8:
+                continue
+            # Prefetching needs `stages` 72 KB buffers of 64 rows here: 64 x 3 does not fit, and
+            # 64 x 2 (4.91 ms at H = 64, 9.64 at 128) or 32 x 3/4 (6.0, 11.8) measured no better
+            # than the index load in the loop with 64 x 3 (4.95, 9.51) on the H200 (2026-11-22).
+            if pf:
+                continue
+            # With the index load in the loop, 32-row blocks at 3 stages get a single in-flight
+            # buffer (the copy of the next rows is waited for right after it is issued).
+            if bn == 32 and s < 5:
+                continue
+        else:
+            # mma.sync tiles of 16/32 heads: 8 warps only split the 512 columns finer and ran
+            # 1.2-1.8x slower than 4 on the H200 (2026-11-22).
+            if w != 4:
+                continue
+            # Prefetched 32-row blocks at 3 stages (one block in flight, 93 / 113 KB: two
+            # programs per SM) measured fastest: 2.23 ms at H = 16, 3.21 at 32. More stages leave
+            # one program per SM (3.37 at H = 16, 4 stages), 16-row blocks cost more instructions
+            # per row (3.56), and the index load in the loop waits for every copy (2.51, 3.77).
+            if not pf or bn != 32 or s != 3:
+                continue
+        if _smem_estimate(block_h, bn, s, pf) > _SMEM_BYTES - 8 * 1024:
+            continue
+        kept.append(c)
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+@triton.autotune(configs=_CONFIGS, key=["H_BUCKET", "TOPK_BUCKET"],
+                 prune_configs_by={"early_config_prune": _prune_configs})
+@triton.jit(do_not_specialize=["H", "N", "TOPK", "NUM_HB", "H_BUCKET", "TOPK_BUCKET"])
+def sparse_mla_prefill_kernel(
+    q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, ml_ptr, lse_ptr,
+    H, N, TOPK, NUM_HB,
+    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+    scale, scale_log2,
+    H_BUCKET, TOPK_BUCKET,
+    HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, OFF32: tl.constexpr,
+    D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    HALF: tl.constexpr = D_LAT // 2
+    # The head blocks of one token are neighbouring programs: they gather the same rows.
+    i_p = tl.program_id(0)
+    i_t = (i_p // NUM_HB).to(tl.int64)
+    i_hb = i_p % NUM_HB
+
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_a = tl.arange(0, HALF)
+    o_b = HALF + tl.arange(0, HALF)
+    o_r = D_LAT + tl.arange(0, D_ROPE)
+
+    p_q = q_ptr + i_t * stride_qt + o_h[:, None] * stride_qh
+    b_qa = tl.load(p_q + o_a[None, :], mask=m_h[:, None], other=0.0)
+    b_qb = tl.load(p_q + o_b[None, :], mask=m_h[:, None], other=0.0)
+    b_qr = tl.load(p_q + o_r[None, :], mask=m_h[:, None], other=0.0)
+
+    n_use = TOPK
+    if HAS_LEN:
+        n_use = tl.minimum(tl.maximum(tl.load(len_ptr + i_t), 0), TOPK)
+
+    # m_i is the running max of the raw q.k (scale > 0), so max_logits = scale * m_i exactly.
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc_a = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc_b = tl.zeros([BLOCK_H, HALF], tl.float32)
+    p_idx = idx_ptr + i_t * stride_it
+    o_nn = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        b_idx_nx = tl.load(p_idx + o_nn, mask=o_nn < n_use, other=-1)
+    for i_n in range(0, n_use, BLOCK_N):
+        if PREFETCH:
+            # This block's indices came from the previous iteration (a loop-carried register
+            # tensor), so the row copies below depend on no load of this iteration and the
+            # pipeliner can issue them a block ahead.
+            b_idx = b_idx_nx
+            o_nx = i_n + BLOCK_N + o_nn
+            b_idx_nx = tl.load(p_idx + o_nx, mask=o_nx < n_use, other=-1)
+        else:
+            o_n = i_n + o_nn
+            b_idx = tl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
+        m_n = (b_idx >= 0) & (b_idx < N)
+        # Invalid rows are never read: the mask keeps them off the memory system (their offset
+        # may wrap in 32 bits; it is never dereferenced). 64-bit row offsets when N * stride
+        # can pass 2**31 elements.
+        if OFF32:
+            p_kv = kv_ptr + b_idx * stride_kv
+        else:
+            p_kv = kv_ptr + b_idx.to(tl.int64) * stride_kv
+        b_ka = tl.load(p_kv[:, None] + o_a[None, :], mask=m_n[:, None], other=0.0)
+        b_kb = tl.load(p_kv[:, None] + o_b[None, :], mask=m_n[:, None], other=0.0)
+        b_kr = tl.load(p_kv[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0)
+
+        b_s = tl.dot(b_qr, tl.trans(b_kr))
+        b_s = tl.dot(b_qa, tl.trans(b_ka), b_s)
+        b_s = tl.dot(b_qb, tl.trans(b_kb), b_s)
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # A head with nothing valid yet keeps max -inf; shift by 0 there so no inf - inf appears.
+        m_sh = tl.where(m_new == float("-inf"), 0.0, m_new * scale_log2)
+        b_p = tl.exp2(b_s * scale_log2 - m_sh[:, None])
+        alpha = tl.exp2(m_i * scale_log2 - m_sh)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        b_pv = b_p.to(b_ka.dtype)
+        acc_a = tl.dot(b_pv, b_ka, acc_a * alpha[:, None])
+        acc_b = tl.dot(b_pv, b_kb, acc_b * alpha[:, None])
+        m_i = m_new
+
+    inv, lse = finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h, HAS_SINK)
+
+    p_o = out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh
+    tl.store(p_o + o_a[None, :], (acc_a * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m_h[:, None])
+    tl.store(p_o + o_b[None, :], (acc_b * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m_h[:, None])
+    tl.store(ml_ptr + i_t * H + o_h, m_i * scale, mask=m_h)
+    tl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+# ---------------------------------------------------------------------------------------------
+def _launch(q, kv, indices, scale, topk_length, attn_sink):
+    """Allocate the outputs and run the kernel over (token, head block) programs."""
+    T, H, _ = q.shape
+    N, topk = kv.shape[0], indices.shape[1]
+    out = torch.empty((T, H, D_LAT), dtype=q.dtype, device=q.device)
+    max_logits = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0 or H == 0:
+        return out, max_logits, lse
+    if _sm90.usable(q, kv):  # Hopper with Gluon, 16-byte rows
+        sm90 = _kn if H <= _kn.MAX_HEADS else _sm90
+        sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
+                    D_LAT, D_ROPE)
+        return out, max_logits, lse
+    block_h = _block_h(H)
+    num_hb = triton.cdiv(H, block_h)
+    # Unused pointer arguments get a tensor of the right kind; the kernel never reads them.
+    len_arg = topk_length if topk_length is not None else indices
+    sink_arg = attn_sink if attn_sink is not None else lse
+    sparse_mla_prefill_kernel[(T * num_hb,)](
+        q, kv, indices, len_arg, sink_arg, out, max_logits, lse,
+        H, N, topk, num_hb,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        scale, scale * _LOG2E,
+        _bucket(H, 16, 128), _bucket(topk, 32, 2048),
+        HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
+        OFF32=(N - 1) * kv.stride(0) + D_QK < 2 ** 31,
+        D_LAT=D_LAT, D_ROPE=D_ROPE, BLOCK_H=block_h,
+    )
+    return out, max_logits, lse
+
+
+@torch.library.custom_op("openmla::sparse_mla_prefill", mutates_args=())
+def _sparse_mla_prefill_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
+                           topk_length: Optional[torch.Tensor], attn_sink: Optional[torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch(q, kv, indices, scale, topk_length, attn_sink)
+
+
+@_sparse_mla_prefill_op.register_fake
+def _(q, kv, indices, scale, topk_length, attn_sink):
+    T, H, _ = q.shape
+    return (q.new_empty((T, H, D_LAT)), q.new_empty((T, H), dtype=torch.float32),
+            q.new_empty((T, H), dtype=torch.float32))
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float,
+                       topk_length: Optional[torch.Tensor] = None,
+                       attn_sink: Optional[torch.Tensor] = None):
+    """Sparse MLA attention of prefill tokens over rows of a bf16 workspace.
+
+    Args:
+        q: [T, H, 576] bf16, last dim contiguous (any H >= 1, any token/head strides).
+        kv: [N, 576] bf16, rows contiguous, row stride may exceed 576 (a flat view of a bf16
+            cache or the chunk workspace): latent 512 | rope 64; the latent is also the value.
+        indices: [T, topk] int32 rows of kv, last dim contiguous; an index < 0 or >= N is
+            invalid, skipped and never read.
+        scale: softmax scale (> 0) applied to q . k.
+        topk_length: [T] int32 or None: only the first topk_length[t] indices of row t count
+            (values above topk mean topk, <= 0 means none).
+        attn_sink: [H] fp32 or None: out *= exp(lse) / (exp(lse) + exp(sink[h])); lse unchanged.
+
+    Returns:
+        out: [T, H, 512] bf16, the softmax-weighted sum of latent rows.
+        max_logits: [T, H] fp32, max over valid j of scale * q . k_j.
+        lse: [T, H] fp32, natural-log sum of exp(scale * q . k_j).
+        A row with no valid index gives out = 0, max_logits = -inf, lse = -inf.
+    """
+    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, D_QK), last_dim_contiguous=True)
+    T, H, _ = q.shape
+    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, D_QK), last_dim_contiguous=True)
+    check_tensor("indices", indices, dtype=torch.int32, shape=(T, None), last_dim_contiguous=True)
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(T,), contiguous=True)
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(H,), contiguous=True)
+    check_same_device(q=q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        fail("scale", "a finite positive float", scale)
+    return _sparse_mla_prefill_op(q, kv, indices, scale, topk_length, attn_sink)

@@ -1,0 +1,277 @@
+"""Hopper (sm_90) kernel of sparse_mla_prefill for H <= 32, in Gluon: keys on the wgmma M.
+
+A block of 16 or 32 heads is too short for a 64-row wgmma tile (padding to 64 does the 64-head
+work), so both dots are turned around, as in the fp8 decode kernel for small H
+(kernels/sparse_mla_decode/sm90_kn.py): scores S^T [64 keys, HN heads] = K q^T and output
+O^T [512, HN] += V^T P^T. Every operand is read by the tensor cores from shared memory: K (the
+gathered rows, K-major), q^T (K-major), V^T (the same gathered latent rows, M-major) and P^T
+(stored by the consumer, N-major); nothing is converted.
+
+Warp-specialised, three partitions of one warpgroup each:
+- a producer gathers block i (64 rows: latent 1 KB + rope 128 B each, 16-byte cp.async, masked
+  rows zero-filled and never read) into stage i % 2 once that stage is released;
+- two consumers own alternate blocks (consumer 0 the even ones from stage 0, consumer 1 the odd
+  ones from stage 1), each with its own online softmax and O^T, so while one waits for its rows
+  or runs its softmax the other's wgmmas keep the tensor cores busy (ping-pong). At the end both
+  leave (O^T, shift, row sum, max) in shared memory and the producer's warps merge them.
+Scores run as two accumulator chains (rope + latent[:256] and latent[256:]) of separately issued
+k16 wgmmas, alternating. Measured at H = 32: one wgmma op over the whole K (36 steps) 2.64 ms (and
+41 spilled values reloaded in one consumer's loop); two chains of k16 ops 2.30-2.32 interleaved,
+2.34 one after the other; chains issued as one op each, or four chains, spilled more (464-648 B)
+and ran slower (3.1-3.9 ms). So it is the spills that cost, not the chain's latency.
+Shared memory: q 36 KB (HN 32) + 2 stages x 72 KB + P^T 2 x 4 KB + merge ~ 190 KB: one program
+per SM. Registers: 232 per consumer (the accumulator O^T alone is 128 at HN 32), 40 for the
+producer; at HN 32 a few loop-invariant values spill (40 bytes, reloaded from L1).
+
+The producer loads block i + 1's row numbers while block i waits for its stage (issued after the
+wait, those loads sat on the critical path: a clock64 profile at H32 had the consumers idle 40 % of
+the time), and the consumers rescale O^T lazily (the shift moves only when a head's max rose by
+more than 2^TAU; the exact max is kept for max_logits).
+
+Measured on an H200 (2026-11-22, tools/bench.py, 4096 tokens, 32768 rows, topk 2048): H16
+1.54 ms, H32 2.05 ms (FlashMLA 2.33 / 2.17; Triton kernel 2.23 / 3.21). Profile and the variants
+tried: docs/notes/sparse_mla_prefill.md (v5, v6).
+"""
+from __future__ import annotations
+
+from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    from openmla.kernels.sparse_mla_prefill.sm90 import _finish_rows
+    _GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _GLUON = False
+
+MAX_HEADS = 32
+BLOCK_N = 64  # keys per block: one consumer warpgroup's wgmma M
+NUM_WARPS = 4  # the producer (default partition; prologue and epilogue); the consumers are workers
+TAU = 8.0  # lazy rescale: the shift trails the running max by at most this (exp2 domain)
+C_REGS = 232  # registers of each consumer; the producer (the default partition) gets the rest, 40
+
+
+def block_h(H: int) -> int:
+    """The wgmma N (head block) for H heads."""
+    return 16 if H <= 16 else 32
+
+
+if _GLUON:
+
+    @gluon.jit
+    def _load_rows(p_idx, k0, n_use, BLOCK_N: gl.constexpr):
+        # the row numbers of block k0..k0+BLOCK_N-1 in both gather layouts (-1 past n_use)
+        GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        o_l = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GL))
+        o_r = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GR))
+        return (gl.load(p_idx + o_l, mask=o_l < n_use, other=-1),
+                gl.load(p_idx + o_r, mask=o_r < n_use, other=-1))
+
+    @gluon.jit
+    def _gather(kv_ptr, i_l, i_r, N, stride_kv, s_lat, s_rope, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
+                OFF32: gl.constexpr):
+        # start the copy of the rows i_l / i_r (the same rows in two layouts): the latent part with
+        # 256 contiguous bytes of a row per warp instruction, the rope part with 128; a row
+        # outside [0, N) is masked (zero-filled), never read
+        GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        if OFF32:
+            p_l = kv_ptr + i_l * stride_kv
+            p_r = kv_ptr + i_r * stride_kv
+        else:
+            p_l = kv_ptr + i_l.to(gl.int64) * stride_kv
+            p_r = kv_ptr + i_r.to(gl.int64) * stride_kv
+        p_l = gl.multiple_of(p_l, 16)
+        p_r = gl.multiple_of(p_r, 16)
+        c_l = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GL))
+        c_r = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GR))
+        cp.async_copy_global_to_shared(s_lat, p_l[:, None] + c_l[None, :],
+                                       mask=((i_l >= 0) & (i_l < N))[:, None])
+        cp.async_copy_global_to_shared(s_rope, p_r[:, None] + c_r[None, :],
+                                       mask=((i_r >= 0) & (i_r < N))[:, None])
+
+    @gluon.jit
+    def _producer(kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
+                  BLOCK_N: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OFF32: gl.constexpr):
+        # block i into stage i % 2 once its consumer released it; the row numbers of block i + 1
+        # are loaded while block i waits for its stage (off the critical path); the stage's full
+        # barrier completes when every producer thread's copies have landed
+        i_l, i_r = _load_rows(p_idx, 0, n_use, BLOCK_N)
+        for i in range(n_blk):
+            s = i % 2
+            mbarrier.wait(empty.index(s), ((i // 2) & 1) ^ 1)
+            _gather(kv_ptr, i_l, i_r, N, stride_kv, s_kl.index(s), s_kr.index(s), D_LAT, D_ROPE, OFF32)
+            cp.mbarrier_arrive(full.index(s), increment_count=False)
+            i_l, i_r = _load_rows(p_idx, (i + 1) * BLOCK_N, n_use, BLOCK_N)
+
+    @gluon.jit
+    def _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N, scale_log2,
+                  WG: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr,
+                  TAU: gl.constexpr):
+        # the blocks i = WG, WG + 2, ... from stage WG: scores, online softmax over the keys
+        # (rows; a per-thread partial row sum, summed once at the end), values. m_i (the shift of
+        # the exponent) and m_ex (the max) are in raw q.k units (scale > 0). The state is left for
+        # the epilogue to merge: O^T in this stage's latent rows (this consumer was their last
+        # reader: the producer has no block left for them), shift, row sum and max in s_ml
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HN, 16])
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+        zs = gl.zeros([BLOCK_N, HN], gl.float32, S_L)
+        m_i = gl.full([HN], float("-inf"), gl.float32, COL_S)
+        m_ex = gl.full([HN], float("-inf"), gl.float32, COL_S)
+        l_i = gl.zeros([BLOCK_N, HN], gl.float32, S_L)
+        acc = gl.zeros([D_LAT, HN], gl.float32, S_L)
+        o_ns = gl.arange(0, BLOCK_N, layout=ROW_S)
+        s_lat = s_kl.index(WG)
+        s_rope = s_kr.index(WG)
+        s_pw = s_p.index(WG)
+        for j in range((n_blk + 1 - WG) // 2):
+            o_n = (2 * j + WG) * BLOCK_N + o_ns
+            b_col = gl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
+            m_n = (b_col >= 0) & (b_col < N)
+            mbarrier.wait(full.index(WG), j & 1)
+            hopper.fence_async_shared()
+            # scores: two accumulator chains (rope + latent[:256], latent[256:]) of k16 wgmmas,
+            # alternating (one op over the whole K spilled: see the module docstring)
+            t_0 = hopper.warpgroup_mma(s_rope, s_qr.permute((1, 0)), zs, use_acc=False, is_async=True)
+            t_1 = zs
+            for k in gl.static_range(D_LAT // 32):
+                t_0 = hopper.warpgroup_mma(s_lat.slice(16 * k, 16, dim=1),
+                                           s_ql.slice(16 * k, 16, dim=1).permute((1, 0)), t_0, is_async=True)
+                t_1 = hopper.warpgroup_mma(s_lat.slice(D_LAT // 2 + 16 * k, 16, dim=1),
+                                           s_ql.slice(D_LAT // 2 + 16 * k, 16, dim=1).permute((1, 0)), t_1,
+                                           use_acc=k > 0, is_async=True)
+            t_0, t_1 = hopper.warpgroup_mma_wait(0, deps=[t_0, t_1])
+            b_s = t_0 + t_1
+            b_s = gl.where(m_n[:, None], b_s, float("-inf"))
+
+            m_blk = gl.max(b_s, 0)
+            m_ex = gl.maximum(m_ex, m_blk)
+            # lazy rescaling (as in FlashAttention 4): the shift m_i follows the max only when it
+            # rose by more than TAU in the exp2 domain, so P <= 2^TAU (bf16 and the fp32 sums take
+            # it) and most blocks skip the rescale of O^T (4 * HN multiplies a thread); m_ex stays
+            # the exact max for max_logits
+            up = m_blk * scale_log2 > m_i * scale_log2 + TAU
+            m_new = gl.where(up, m_blk, m_i)
+            # a head with nothing valid yet keeps max -inf; shift by 0 there so no inf - inf appears
+            m_sh = gl.where(m_new == float("-inf"), 0.0, m_new * scale_log2)
+            b_p = gl.exp2(b_s * scale_log2 - m_sh[None, :])
+            alpha = gl.exp2(m_i * scale_log2 - m_sh)
+            l_i = l_i * alpha[None, :] + b_p
+            m_i = m_new
+            s_pw.store(b_p.to(gl.bfloat16))
+            if gl.max(up.to(gl.int32), 0) > 0:  # uniform over the warpgroup: m_i is per head
+                acc = acc * alpha[None, :]
+            hopper.fence_async_shared()
+            gl.thread_barrier()
+            t_o = hopper.warpgroup_mma(s_lat.permute((1, 0)), s_pw, acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(0, deps=[t_o])
+            mbarrier.arrive(empty.index(WG))
+        SHO: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1])
+        s_kl.index(WG)._reinterpret(gl.float32, [D_LAT, HN], SHO).store(acc)
+        s_ml.slice(2 * WG, 1, dim=0).store(m_i[None, :])
+        s_ml.slice(2 * WG + 1, 1, dim=0).store(gl.sum(l_i, 0)[None, :])
+        s_ml.slice(4 + WG, 1, dim=0).store(m_ex[None, :])
+
+    @gluon.jit
+    def sparse_mla_prefill_sm90_kn_kernel(
+        q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, ml_ptr, lse_ptr,
+        H, N, TOPK, NUM_HB,
+        stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+        scale, scale_log2,
+        HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, OFF32: gl.constexpr,
+        D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        C_REGS: gl.constexpr, TAU: gl.constexpr,
+    ):
+        HN: gl.constexpr = BLOCK_H
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HN, 16])
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+        GQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SHP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HN, element_bitwidth=16, rank=2)
+        SHF: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        SHO: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1])
+
+        # one program per token and head block (NUM_HB = 1 while H <= 32)
+        i_p = gl.program_id(0)
+        i_t = (i_p // NUM_HB).to(gl.int64)
+        i_hb = i_p % NUM_HB
+        o_hq = i_hb * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, GQ))
+        p_q = q_ptr + i_t * stride_qt + o_hq[:, None] * stride_qh
+        o_lq = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GQ))
+        o_rq = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GQ))
+        s_ql = gl.allocate_shared_memory(gl.bfloat16, [HN, D_LAT], SH,
+                                         gl.load(p_q + o_lq[None, :], mask=(o_hq < H)[:, None], other=0.0))
+        s_qr = gl.allocate_shared_memory(gl.bfloat16, [HN, D_ROPE], SH,
+                                         gl.load(p_q + o_rq[None, :], mask=(o_hq < H)[:, None], other=0.0))
+        s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
+        s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], SH)
+        s_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HN], SHP)
+        s_ml = gl.allocate_shared_memory(gl.float32, [8, HN], SHF)  # shift, sum, max (6 rows)
+
+        n_use = TOPK
+        if HAS_LEN:
+            n_use = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
+        n_blk = gl.cdiv(n_use, BLOCK_N)
+        p_idx = idx_ptr + i_t * stride_it
+        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(full.index(b), count=128)  # every producer thread's copies
+            mbarrier.init(empty.index(b), count=1)  # Gluon: a partition barrier, then one thread
+        gl.warp_specialize(
+            [(_producer, (kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
+                          BLOCK_N, D_LAT, D_ROPE, OFF32)),
+             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
+                          scale_log2, 0, HN, BLOCK_N, D_LAT, TAU)),
+             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
+                          scale_log2, 1, HN, BLOCK_N, D_LAT, TAU))],
+            [4, 4], [C_REGS, C_REGS])
+
+        # merge the two consumers' states (every partition has finished: their shared-memory
+        # writes are visible here)
+        m_a = gl.max(s_ml.slice(0, 1, dim=0).load(S_L), 0)
+        l_a = gl.max(s_ml.slice(1, 1, dim=0).load(S_L), 0)
+        m_b = gl.max(s_ml.slice(2, 1, dim=0).load(S_L), 0)
+        l_b = gl.max(s_ml.slice(3, 1, dim=0).load(S_L), 0)
+        m_i = gl.maximum(m_a, m_b)
+        m_x = gl.maximum(gl.max(s_ml.slice(4, 1, dim=0).load(S_L), 0),
+                         gl.max(s_ml.slice(5, 1, dim=0).load(S_L), 0))
+        m_sh = gl.where(m_i == float("-inf"), 0.0, m_i * scale_log2)
+        f_a = gl.exp2(m_a * scale_log2 - m_sh)
+        f_b = gl.exp2(m_b * scale_log2 - m_sh)
+        l_i = l_a * f_a + l_b * f_b
+        o_h = i_hb * HN + gl.arange(0, HN, layout=COL_S)
+        m_h = o_h < H
+        inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h, HAS_SINK)
+        # out = inv * (f_a O_a + f_b O_b), 64 dims at a time, 16-byte stores along the dims
+        GO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        COL_O: gl.constexpr = gl.SliceLayout(1, GO)
+        w_a = gl.convert_layout(f_a * inv, COL_O)[:, None]
+        w_b = gl.convert_layout(f_b * inv, COL_O)[:, None]
+        o_ho = i_hb * HN + gl.arange(0, HN, layout=COL_O)
+        o_do = gl.arange(0, 64, layout=gl.SliceLayout(0, GO))
+        p_o = out_ptr + i_t * stride_ot + o_ho[:, None] * stride_oh + o_do[None, :]
+        s_oa = s_kl.index(0)._reinterpret(gl.float32, [D_LAT, HN], SHO)
+        s_ob = s_kl.index(1)._reinterpret(gl.float32, [D_LAT, HN], SHO)
+        for c in gl.static_range(D_LAT // 64):
+            b_o = (s_oa.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_a
+                   + s_ob.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_b)
+            gl.store(p_o + 64 * c, b_o.to(out_ptr.dtype.element_ty), mask=(o_ho < H)[:, None])
+        gl.store(ml_ptr + i_t * H + o_h, m_x * scale, mask=m_h)
+        gl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
+
+
+def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
+           d_lat, d_rope):
+    """Run the kernel on validated inputs into the given outputs (T >= 1, 1 <= H <= MAX_HEADS),
+    through the 64-head kernel's launcher (same arguments)."""
+    _sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e, d_lat,
+                 d_rope, kernel=sparse_mla_prefill_sm90_kn_kernel, block_h=block_h(q.shape[1]),
+                 BLOCK_N=BLOCK_N, C_REGS=C_REGS, TAU=TAU, num_warps=NUM_WARPS)

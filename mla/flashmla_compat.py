@@ -1,0 +1,272 @@
+"""FlashMLA-compatible Python API over openmla's sparse MLA ops (a drop-in for `flash_mla`).
+
+    from openmla.mla.flashmla_compat import get_mla_metadata, flash_mla_with_kvcache, flash_mla_sparse_fwd
+
+Same argument names, order, defaults, shapes and conventions as FlashMLA's
+`flash_mla/flash_mla_interface.py` (the version with `attn_sink` and `topk_length`) for the sparse
+paths, computed by `kernels.sparse_mla_decode` and `kernels.sparse_mla_prefill`. Differences:
+
+* any h_q in 1..128 (decode) / >= 1 (prefill) and any topk >= 1; FlashMLA needs h_q 64 or 128
+  and topk a multiple of 64/128.
+* a bf16 cache `[num_blocks, block_size, 1, 576]` with `is_fp8_kvcache=False` is accepted on the
+  sparse decode path too (FlashMLA's sparse decode reads only the 656-byte fp8 format).
+* refused with NotImplementedError: the dense (non-sparse) decode path (`indices=None`),
+  `extra_k_cache` / `extra_indices_in_kvcache` / `extra_topk_length`, `causal=True` with indices,
+  and `indexer_topk > 0` in prefill.
+* bad shapes and dtypes raise ValueError naming the argument (FlashMLA asserts). A bool
+  `softmax_scale` is refused: FlashMLA's README example passes `is_causal, is_fp8_kvcache, indices`
+  positionally where the signature has `softmax_scale, causal, is_fp8_kvcache`; pass those three
+  by keyword.
+
+Conventions (both match FlashMLA's tests/ref.py): `lse` is the NATURAL log of the softmax
+denominator of `softmax_scale * q.k` (the sink never enters it); `max_logits` is the max of
+`sm_scale * q.k` (natural units, not log2-scaled). A query row with no valid index gets out = 0,
+lse = +inf (FlashMLA's marker; openmla's own ops use -inf) and max_logits = -inf.
+(FlashMLA's first sparse release, without attn_sink/topk_length, returned base-2 lse and
+max_logits from flash_mla_sparse_fwd; this module follows the current one.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
+from openmla.quant.validate import check_tensor, fail
+from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA
+
+D_QK = FP8_DS_MLA.head_dim  # 576
+D_V = FP8_DS_MLA.latent_dim  # 512
+_FP8_BYTES = FP8_DS_MLA.row_width  # 656
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedConfig:
+    """What a metadata object was first used for (FlashMLA's FlashMLASchedMeta.Config)."""
+    b: int
+    s_q: int
+    h_q: int
+    page_block_size: int
+    h_k: int
+    causal: bool
+    is_fp8_kvcache: bool
+    topk: Optional[int]
+
+
+@dataclasses.dataclass
+class OpenMLASchedMeta:
+    """Opaque decode metadata from `get_mla_metadata`, as FlashMLA's FlashMLASchedMeta.
+
+    openmla's decode picks its split count from shapes and the SM count on the host, so there is
+    no per-batch device state to build: the object records the configuration of its first use
+    (`config`) and every later call with it must match that configuration (ValueError otherwise),
+    as FlashMLA requires. `hints` holds what the old-style get_mla_metadata arguments said
+    (h_q, h_k, is_fp8_kvcache, topk); the first use is checked against them. Building or checking
+    it never reads a device tensor, so decode stays capturable in a CUDA graph.
+    """
+    hints: dict = dataclasses.field(default_factory=dict)
+    config: Optional[SchedConfig] = None
+
+    @property
+    def have_initialized(self) -> bool:
+        return self.config is not None
+
+
+def get_mla_metadata(cache_seqlens: Optional[torch.Tensor] = None,
+                     num_q_tokens_per_head_k: Optional[int] = None,
+                     num_heads_k: Optional[int] = None,
+                     num_heads_q: Optional[int] = None,
+                     is_fp8_kvcache: Optional[bool] = None,
+                     topk: Optional[int] = None,
+                     **kwargs) -> Tuple[OpenMLASchedMeta, None]:
+    """FlashMLA's get_mla_metadata: returns (metadata, None); pass both to flash_mla_with_kvcache.
+
+    Accepts the old FlashMLA arguments (cache_seqlens [b] int32, s_q * h_q // h_kv, h_kv, h_q,
+    is_fp8_kvcache, topk) or none at all (current FlashMLA). The given values are kept as hints
+    and checked against the first flash_mla_with_kvcache call; cache_seqlens is not read (the
+    sparse path does not use it), so no host sync happens. Other keyword arguments are ignored,
+    as current FlashMLA ignores all of them. The second element is None: the current
+    FlashMLA's `num_splits` placeholder.
+    """
+    hints = {}
+    if cache_seqlens is not None:
+        check_tensor("cache_seqlens", cache_seqlens, dtype=torch.int32, ndim=1)
+        hints["b"] = cache_seqlens.shape[0]
+    for name, value in (("h_k", num_heads_k), ("h_q", num_heads_q), ("topk", topk)):
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(name, "a positive int", value)
+            hints[name] = value
+    if is_fp8_kvcache is not None:
+        hints["is_fp8_kvcache"] = bool(is_fp8_kvcache)
+    return OpenMLASchedMeta(hints=hints), None
+
+
+def _check_meta(meta: OpenMLASchedMeta, cfg: SchedConfig) -> None:
+    """First use: record cfg (after checking the hints); later uses: cfg must equal the record."""
+    if meta.config is None:
+        for name, want in meta.hints.items():
+            got = getattr(cfg, name)
+            if got != want:
+                fail(f"tile_scheduler_metadata: {name}", f"{want} (as given to get_mla_metadata)", got)
+        meta.config = cfg
+        return
+    for field in dataclasses.fields(SchedConfig):
+        want, got = getattr(meta.config, field.name), getattr(cfg, field.name)
+        if want != got:
+            fail(f"tile_scheduler_metadata: {field.name}",
+                 f"{want} (the metadata's first use; build new metadata for new shapes)", got)
+
+
+def _check_scale(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        hint = (" (FlashMLA's README example passes is_causal, is_fp8_kvcache, indices positionally"
+                " where the signature has softmax_scale, causal, is_fp8_kvcache: pass them by keyword)"
+                if isinstance(value, bool) else "")
+        fail(name, "a finite float or None" + hint, repr(value))
+    return float(value)
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    head_dim_v: int,
+    tile_scheduler_metadata: OpenMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's sparse decode: attention of q over the cache rows named by `indices`.
+
+    Args:
+        q: [b, s_q, h_q, 576] bf16 (absorbed query: latent 512 | rope 64), h_q any 1..128, last
+            dim contiguous.
+        k_cache: [num_blocks, block_size, 1, 656] uint8 or float8_e4m3fn (fp8_ds_mla bytes, as
+            FlashMLA's tests/quant.py makes it) with is_fp8_kvcache=True, or [num_blocks,
+            block_size, 1, 576] bf16 with is_fp8_kvcache=False (an openmla extension). A strided
+            view is fine (block stride >= block_size rows, rows contiguous).
+        block_table, cache_seqlens: unused on the sparse path (slots are global), may be None.
+        head_dim_v: must be 512.
+        tile_scheduler_metadata: from get_mla_metadata; reusable while shapes stay the same.
+        num_splits: must be None (the second element get_mla_metadata returns).
+        softmax_scale: float applied to q.k; None means 576 ** -0.5 (FlashMLA's 1/sqrt(head_dim)).
+        causal: must be False with indices (as FlashMLA).
+        is_fp8_kvcache: True for the 656-byte fp8_ds_mla cache, False for a bf16 cache.
+        indices: [b, s_q, topk] int32 global slots block * block_size + offset, any topk >= 1,
+            last dim contiguous; invalid = < 0 or >= num_blocks * block_size (skipped, never read).
+        attn_sink: [h_q] fp32 or None: out *= exp(lse) / (exp(lse) + exp(attn_sink)); lse
+            unchanged; +inf gives out = 0.
+        topk_length: [b] int32 or None: for every query of batch i only indices[i, :, :topk_length[i]]
+            count.
+        extra_k_cache, extra_indices_in_kvcache, extra_topk_length: not supported (must be None).
+
+    Returns:
+        out: [b, s_q, h_q, 512] bf16.
+        lse: [b, h_q, s_q] fp32 (note the transpose), natural log of the softmax denominator of
+            softmax_scale * q.k; +inf for a query with no valid index (whose out is 0).
+    """
+    # first: a bool here is the README's positional (is_causal, is_fp8_kvcache, indices) mix-up
+    scale = D_QK ** -0.5 if softmax_scale is None else _check_scale("softmax_scale", softmax_scale)
+    if extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None:
+        raise NotImplementedError("flash_mla_with_kvcache: extra_k_cache / extra_indices_in_kvcache / "
+                                  "extra_topk_length are not supported by openmla")
+    if indices is None:
+        raise NotImplementedError("flash_mla_with_kvcache: the dense (non-sparse) decode path "
+                                  "(indices=None) is not supported by openmla; pass indices")
+    if causal:
+        raise NotImplementedError("flash_mla_with_kvcache: causal=True with indices (sparse attention "
+                                  "has no causal mask; FlashMLA refuses it too)")
+    if not isinstance(tile_scheduler_metadata, OpenMLASchedMeta):
+        fail("tile_scheduler_metadata", "the OpenMLASchedMeta from mla.flashmla_compat.get_mla_metadata",
+             type(tile_scheduler_metadata).__name__)
+    if num_splits is not None:
+        fail("num_splits", "None (the second element get_mla_metadata returns)", type(num_splits).__name__)
+    if head_dim_v != D_V:
+        fail("head_dim_v", D_V, head_dim_v)
+    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, None, D_QK), last_dim_contiguous=True)
+    b, s_q, h_q, _ = q.shape
+    fp8 = bool(is_fp8_kvcache)
+    if fp8:
+        check_tensor("k_cache", k_cache, dtype=(torch.uint8, torch.float8_e4m3fn),
+                     shape=(None, None, 1, _FP8_BYTES))
+    else:
+        check_tensor("k_cache (is_fp8_kvcache=False)", k_cache, dtype=torch.bfloat16,
+                     shape=(None, None, 1, BF16_MLA.row_width))
+    check_tensor("indices", indices, dtype=torch.int32, shape=(b, s_q, None), last_dim_contiguous=True)
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(b,))
+    _check_meta(tile_scheduler_metadata, SchedConfig(
+        b=b, s_q=s_q, h_q=h_q, page_block_size=k_cache.shape[1], h_k=k_cache.shape[2],
+        causal=bool(causal), is_fp8_kvcache=fp8, topk=indices.shape[-1]))
+
+    cache = k_cache.select(2, 0)  # [num_blocks, block_size, row], strides kept
+    if cache.dtype == torch.float8_e4m3fn:
+        cache = cache.view(torch.uint8)  # same bytes; openmla's fp8_ds_mla cache dtype
+    lengths = None
+    if topk_length is not None:  # FlashMLA's length is per batch entry; openmla's per query token
+        lengths = topk_length.reshape(b, 1).expand(b, s_q).reshape(b * s_q).contiguous()
+    out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
+    _, lse = sparse_mla_decode(q.reshape(b * s_q, h_q, D_QK), cache, indices.reshape(b * s_q, -1),
+                               scale=scale, topk_length=lengths, attn_sink=attn_sink,
+                               out=out.view(b * s_q, h_q, D_V))
+    lse = lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
+    return out, lse.masked_fill_(lse == float("-inf"), float("inf"))
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    indexer_topk: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashMLA's sparse prefill: each query token attends to its own top-k rows of kv.
+
+    Args:
+        q: [s_q, h_q, 576] bf16, any h_q >= 1, last dim contiguous.
+        kv: [s_kv, 1, 576] bf16 (latent 512 | rope 64; the latent is also the value), rows
+            contiguous.
+        indices: [s_q, 1, topk] int32 rows of kv, any topk >= 1, last dim contiguous; invalid =
+            < 0 or >= s_kv (skipped, never read).
+        sm_scale: softmax scale (> 0) applied to q.k.
+        d_v: must be 512.
+        attn_sink: [h_q] fp32 or None: out *= exp(lse) / (exp(lse) + exp(attn_sink)); lse and
+            max_logits unchanged; +inf gives out = 0.
+        topk_length: [s_q] int32 or None: query i uses only indices[i, :, :topk_length[i]].
+        indexer_topk: must be 0 (FlashMLA's lse_indexer output is not supported).
+
+    Returns (out, max_logits, lse):
+        out: [s_q, h_q, 512] bf16.
+        max_logits: [s_q, h_q] fp32, max over valid j of sm_scale * q.k_j (natural units, as
+            FlashMLA's tests/ref.py); -inf for a query with no valid index.
+        lse: [s_q, h_q] fp32, natural-log sum of exp(sm_scale * q.k_j); +inf for a query with no
+            valid index (whose out is 0).
+    """
+    if indexer_topk:
+        raise NotImplementedError("flash_mla_sparse_fwd: indexer_topk > 0 (lse_indexer) is not supported "
+                                  "by openmla")
+    if d_v != D_V:
+        fail("d_v", D_V, d_v)
+    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, D_QK), last_dim_contiguous=True)
+    s_q = q.shape[0]
+    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, 1, D_QK), last_dim_contiguous=True)
+    check_tensor("indices", indices, dtype=torch.int32, shape=(s_q, 1, None), last_dim_contiguous=True)
+    out, max_logits, lse = sparse_mla_prefill(q, kv.select(1, 0), indices.select(1, 0),
+                                              scale=_check_scale("sm_scale", sm_scale),
+                                              topk_length=topk_length, attn_sink=attn_sink)
+    return out, max_logits, lse.masked_fill_(lse == float("-inf"), float("inf"))

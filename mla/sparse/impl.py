@@ -1,0 +1,242 @@
+"""SparseMLAImpl: what an engine calls once per layer per step for DeepSeek-V3.2-style sparse MLA.
+
+    impl = SparseMLAImpl(num_heads, scale, "fp8_ds_mla", max_model_len=...)
+    impl.load_kv_b_proj(kv_b_proj.weight, kv_b_proj.weight_scale_inv)      # once, at load
+    plan = impl.build_plan(query_start_loc, seq_lens, block_table, slot_mapping, block_size=64,
+                           query_lens_cpu=..., seq_lens_cpu=...)          # once per step
+    impl.write_cache(kv_c, k_pe, cache, slot_mapping)                      # per layer
+    out = impl.forward(q_nope, q_pe, cache, topk_indices, plan)            # per layer
+
+forward absorbs the query into the latent space (q_lat_h = q_nope_h W_UK[h]), attends over the
+latent cache with the sparse kernels (mla/sparse/plan.py says which tokens take which path), and
+projects the latent output back (o_h = o_lat_h W_UV[h]). mla/absorb.py holds the weight maths.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from openmla.kernels.index import convert_req_index_to_global
+from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
+from openmla.mla import D_QK, KV_LORA_RANK, ROPE_DIM
+from openmla.mla.absorb import split_kv_b_proj
+from openmla.mla.sparse.plan import MAX_HEADS, SparseMLAPlan, build_sparse_mla_plan, cache_format_name
+from openmla.quant.validate import check_same_device, check_tensor, fail
+from openmla.quant.mla_formats import MLA_FORMATS
+from openmla.quant.mla_gather import gather_upconvert
+from openmla.quant.mla_writer import write_mla_cache
+
+__all__ = ["SparseMLAImpl"]
+
+
+class SparseMLAImpl:
+    """One sparse MLA attention layer (per tensor-parallel rank), without vLLM.
+
+    Args:
+        num_heads: H, query heads of this rank, 1..128 (never padded).
+        scale: softmax scale applied to q.k (DeepSeek: (n + r)^-0.5 times the YaRN mscale^2).
+        kv_cache_dtype: "bf16"/"auto" (cache [blocks, block_size, 576] bf16) or "fp8_ds_mla"
+            (cache [blocks, block_size, 656] uint8); others raise NotImplementedError.
+        kv_lora_rank: L, must be 512; qk_rope_head_dim: r, must be 64 (the kernels' widths;
+            other values raise NotImplementedError).
+        qk_nope_head_dim: n (DeepSeek 128), v_head_dim: v (DeepSeek 128): any positive size.
+        max_model_len: longest sequence served; the fp8 separate path's workspace holds
+            workspace_rows (default 5 * max_model_len) bf16 rows of 576, allocated once, on first use.
+        fp8_path: "mixed", "separate" or None (auto: mixed below 32 heads); see mla/sparse/plan.py.
+    """
+
+    def __init__(self, num_heads: int, scale: float, kv_cache_dtype: str, *,
+                 kv_lora_rank: int = KV_LORA_RANK, qk_nope_head_dim: int = 128,
+                 qk_rope_head_dim: int = ROPE_DIM, v_head_dim: int = 128, max_model_len: int,
+                 fp8_path: Optional[str] = None, workspace_rows: Optional[int] = None):
+        self.format_name = cache_format_name(kv_cache_dtype)
+        if kv_lora_rank != KV_LORA_RANK or qk_rope_head_dim != ROPE_DIM:
+            raise NotImplementedError(
+                f"SparseMLAImpl: kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={qk_rope_head_dim}; "
+                f"the sparse MLA kernels need kv_lora_rank={KV_LORA_RANK} and qk_rope_head_dim={ROPE_DIM}")
+        for name, val in (("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim),
+                          ("v_head_dim", v_head_dim), ("max_model_len", max_model_len)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                fail(name, "a positive int", repr(val))
+        if num_heads > MAX_HEADS:
+            raise NotImplementedError(
+                f"SparseMLAImpl: num_heads={num_heads} > {MAX_HEADS} (the kernels' limit)")
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                or not (math.isfinite(scale) and scale > 0)):
+            fail("scale", "a finite positive float", repr(scale))
+        if workspace_rows is None:
+            workspace_rows = 5 * max_model_len
+        if isinstance(workspace_rows, bool) or not isinstance(workspace_rows, int) or workspace_rows < 1:
+            fail("workspace_rows", "a positive int", repr(workspace_rows))
+        if self.format_name == "bf16" and fp8_path is not None:
+            fail("fp8_path", "None for a bf16 cache (it picks how an fp8 cache is read)", repr(fp8_path))
+        self.num_heads = num_heads
+        self.scale = float(scale)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.max_model_len = max_model_len
+        self.fp8_path = fp8_path
+        self.workspace_rows = workspace_rows
+        self.W_UK: Optional[torch.Tensor] = None  # [H, n, L] bf16
+        self.W_UV: Optional[torch.Tensor] = None  # [H, L, v] bf16
+        self._workspace: Optional[torch.Tensor] = None  # [workspace_rows, 576] bf16
+
+    @property
+    def cache_format(self):
+        """The quant format descriptor of this layer's cache (quant.BF16_MLA or FP8_DS_MLA)."""
+        return MLA_FORMATS[self.format_name]
+
+    # ------------------------------------------------------------------ load time
+    def load_kv_b_proj(self, weight: torch.Tensor, weight_scale_inv: Optional[torch.Tensor] = None) -> None:
+        """Split kv_b_proj into W_UK [H, n, L] and W_UV [H, L, v], stored in bf16.
+
+        Args:
+            weight: [H*(n+v), L] bf16/fp16/fp32, or float8_e4m3fn with weight_scale_inv; rows per
+                head [n rows of W_UK[h] | v rows of W_UV[h]^T] (DeepSeek's layout).
+            weight_scale_inv: [ceil(H*(n+v)/128), ceil(L/128)] fp32 block scales of an fp8
+                weight (dequantized exactly, in fp32, before the single rounding to bf16); None
+                for a float weight.
+        ValueError names a shape that does not match this layer's configuration.
+        """
+        H, n, v, L = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+        check_tensor("kv_b_proj.weight", weight, ndim=2)
+        want = (H * (n + v), L)
+        if tuple(weight.shape) != want:
+            fail("kv_b_proj.weight.shape",
+                 f"{want} = (num_heads*(qk_nope_head_dim+v_head_dim), kv_lora_rank) for H={H}, n={n}, "
+                 f"v={v}, L={L}", tuple(weight.shape))
+        w_uk, w_uv = split_kv_b_proj(weight, weight_scale_inv, num_heads=H, qk_nope_head_dim=n,
+                                     v_head_dim=v)
+        self.W_UK = w_uk.to(torch.bfloat16)
+        self.W_UV = w_uv.to(torch.bfloat16)
+
+    # ------------------------------------------------------------------ per step
+    def build_plan(self, query_start_loc, seq_lens, block_table, slot_mapping, *, block_size: int,
+                   decode_threshold: int = 1, query_lens_cpu=None, seq_lens_cpu=None) -> SparseMLAPlan:
+        """build_sparse_mla_plan with this layer's heads, cache dtype, fp8 path and workspace."""
+        return build_sparse_mla_plan(
+            query_start_loc, seq_lens, block_table, slot_mapping, block_size=block_size,
+            num_heads=self.num_heads, kv_cache_dtype=self.kv_cache_dtype,
+            max_model_len=self.max_model_len, decode_threshold=decode_threshold,
+            fp8_path=self.fp8_path, workspace_rows=self.workspace_rows,
+            query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu)
+
+    # ------------------------------------------------------------------ per layer
+    def write_cache(self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+        """Write this step's new tokens into the cache (quant.write_mla_cache, no host sync).
+
+        kv_c [T, 512], k_pe [T, 64] (bf16; fp16/fp32 accepted), cache in this layer's format,
+        slot_mapping [T] int32/int64 (< 0: skip the token; out-of-range slots are skipped too).
+        """
+        fmt = self._check_cache(cache)
+        write_mla_cache(kv_c, k_pe, cache, slot_mapping, fmt=fmt, check_slots=False)
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                topk_indices: torch.Tensor, plan: SparseMLAPlan, *,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Sparse MLA attention of one layer, MHA form in and out.
+
+        Args:
+            q_nope: [T, H, n] bf16, q_pe: [T, H, r] bf16 (RoPE already applied); any strides.
+            cache: this layer's cache (written for every token of the batch).
+            topk_indices: [T, topk] int32, positions within each token's request, in
+                [0, seq_len) of that request (the indexer's causal top-k); < 0 is skipped (a row
+                of only those gives 0). Values >= seq_len are outside the contract: never read
+                out of bounds, but the decode path may read stale slots of the request's blocks
+                and the separate path the next request's workspace rows.
+            plan: this step's plan (build_plan), checked against the shapes here.
+            out: optional [T, H, v] bf16 to write into.
+
+        Returns [T, H, v] bf16: o_h = softmax(scale * q.k over the selected tokens) . V_h, with
+        k = [W_UK[h]^T c | k_pe] and V_h = W_UV[h]^T c. The absorption and the output projection
+        are bf16 batched matmuls (fp32 accumulation), rounded to bf16.
+        """
+        if self.W_UK is None:
+            raise RuntimeError("SparseMLAImpl.forward: call load_kv_b_proj() first")
+        H, n, r, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        check_tensor("q_nope", q_nope, dtype=torch.bfloat16, shape=(None, H, n))
+        T = q_nope.shape[0]
+        check_tensor("q_pe", q_pe, dtype=torch.bfloat16, shape=(T, H, r))
+        if out is not None:
+            check_tensor("out", out, dtype=torch.bfloat16, shape=(T, H, v))
+        check_same_device(q_nope=q_nope, q_pe=q_pe, W_UK=self.W_UK, out=out)
+        q = torch.empty(T, H, D_QK, dtype=torch.bfloat16, device=q_nope.device)
+        torch.bmm(q_nope.transpose(0, 1), self.W_UK, out=q[:, :, :KV_LORA_RANK].transpose(0, 1))
+        q[:, :, KV_LORA_RANK:] = q_pe
+        o_lat = self.forward_mqa(q, cache, topk_indices, plan)
+        if out is None:
+            out = torch.empty(T, H, v, dtype=torch.bfloat16, device=q.device)
+        torch.bmm(o_lat.transpose(0, 1), self.W_UV, out=out.transpose(0, 1))
+        return out
+
+    def forward_mqa(self, q: torch.Tensor, cache: torch.Tensor, topk_indices: torch.Tensor,
+                    plan: SparseMLAPlan, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Latent (absorbed) sparse attention, for callers that absorb the query themselves.
+
+        Args:
+            q: [T, H, 576] bf16 (latent 512 | rope 64), last dim contiguous.
+            cache, topk_indices, plan: as forward.
+            out: optional [T, H, 512] bf16, last dim contiguous.
+
+        Returns [T, H, 512] bf16, the softmax-weighted latent; 0 for a token without a valid
+        index (and for padding tokens).
+        """
+        check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, D_QK),
+                     last_dim_contiguous=True)
+        self._check_cache(cache)
+        if plan.kv_cache_format != self.format_name:
+            fail("plan.kv_cache_format", f"{self.format_name!r} (this layer's cache)",
+                 repr(plan.kv_cache_format))
+        plan.check_matches(q, cache, topk_indices)
+        T, H = q.shape[0], q.shape[1]
+        if out is None:
+            out = torch.empty(T, H, KV_LORA_RANK, dtype=torch.bfloat16, device=q.device)
+        else:
+            check_tensor("out", out, dtype=torch.bfloat16, shape=(T, H, KV_LORA_RANK),
+                         last_dim_contiguous=True)
+        bs = plan.block_size
+
+        td = plan.num_decode_tokens
+        if td > 0:
+            idx = convert_req_index_to_global(plan.req_id_per_token[:td], plan.block_table,
+                                              topk_indices[:td], bs)
+            sparse_mla_decode(q[:td], cache, idx, scale=self.scale, out=out[:td])
+        if plan.prefill_chunks:
+            ws = self._get_workspace(plan, q.device)
+            for ch in plan.prefill_chunks:
+                gather_upconvert(cache, ws, ch.block_table, ch.seq_lens, ch.workspace_starts,
+                                 max_seq_len=ch.max_seq_len)
+                t0, t1 = ch.token_start, ch.token_end
+                idx = convert_req_index_to_global(
+                    plan.req_id_per_token[t0:t1], plan.block_table, topk_indices[t0:t1], bs,
+                    workspace=(ch.workspace_request_ids, ch.workspace_starts))
+                o, _, _ = sparse_mla_prefill(q[t0:t1], ws[:ch.num_rows], idx, scale=self.scale)
+                out[t0:t1] = o
+        if plan.num_padding_tokens > 0:
+            out[T - plan.num_padding_tokens:] = 0
+        return out
+
+    # ------------------------------------------------------------------ helpers
+    def _check_cache(self, cache: torch.Tensor):
+        check_tensor("cache", cache, ndim=3, last_dim_contiguous=True)
+        fmt = self.cache_format
+        if cache.dtype != fmt.cache_dtype or cache.shape[-1] != fmt.row_width:
+            fail("cache", f"[num_blocks, block_size, {fmt.row_width}] {fmt.cache_dtype} (kv_cache_dtype "
+                 f"{self.kv_cache_dtype!r})", f"{tuple(cache.shape)} {cache.dtype}")
+        return fmt
+
+    def _get_workspace(self, plan: SparseMLAPlan, device: torch.device) -> torch.Tensor:
+        """The bf16 prefill workspace, allocated on first use and reused by every later step."""
+        if plan.workspace_rows > self.workspace_rows:
+            fail("plan.workspace_rows", f"<= {self.workspace_rows} (this layer's workspace)",
+                 plan.workspace_rows)
+        if self._workspace is None or self._workspace.device != device:
+            self._workspace = torch.empty(self.workspace_rows, D_QK, dtype=torch.bfloat16, device=device)
+        return self._workspace

@@ -1,0 +1,369 @@
+"""Per-step batch metadata for the sparse MLA layer: plan once per step, run every layer.
+
+An engine calls `build_sparse_mla_plan` once per step with what it has (query_start_loc,
+seq_lens, block_table, slot_mapping, and the host copies of the lengths it keeps anyway);
+every layer's `SparseMLAImpl.forward` then reads the frozen plan (STYLE.md 6).
+
+Paths (what runs which token):
+    "bf16"      bf16 cache: every token through the decode kernel, which reads the paged cache.
+    "mixed"     fp8 cache: every token through the decode kernel (dequantizes in the kernel).
+                vLLM's choice below 32 heads per rank, where the prefill kernel's head blocks
+                would be mostly empty.
+    "separate"  fp8 cache: decode tokens through the decode kernel; prefill requests gathered
+                chunk by chunk into a bf16 workspace (`quant.gather_upconvert`) and run by the
+                prefill kernel over it.
+
+Batch order: the engine puts decode requests (query_len <= decode_threshold) first, as vLLM's
+reorder does. The decode part is the leading run of such requests; a short request after the
+first long one is run with the prefills (correct, only slower), so the order is never wrong,
+only cheaper when the engine keeps it. Decode lengths need not be uniform: the decode kernel
+takes per-token indices.
+
+Host syncs: the bf16 and mixed paths and decode-only separate steps read nothing from the
+device when the engine passes `query_lens_cpu` (vLLM: `query_start_loc_cpu`), so a decode step
+can be captured in a CUDA graph; only a separate-path step with prefills may read `seq_lens`
+back when `seq_lens_cpu` is not given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from openmla.quant.validate import check_same_device, check_tensor, fail
+from openmla.quant.mla_formats import mla_format_of
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "MIN_HEADS_FOR_SEPARATE",
+    "PrefillChunk",
+    "SparseMLAPlan",
+    "build_sparse_mla_plan",
+    "cache_format_name",
+    "split_prefill_chunks",
+]
+
+# kv_cache_dtype (the engine's name) -> cache format name (quant.MLA_FORMATS key).
+KV_CACHE_DTYPES = {"auto": "bf16", "bf16": "bf16", "fp8_ds_mla": "fp8_ds_mla"}
+# vLLM (FlashMLASparse): below this many heads per rank the fp8 cache takes the mixed path.
+MIN_HEADS_FOR_SEPARATE = 32
+MAX_HEADS = 128
+_FP8_PATHS = ("mixed", "separate")
+
+HostInts = Union[Sequence[int], torch.Tensor]
+
+
+def cache_format_name(kv_cache_dtype: str) -> str:
+    """The cache format an engine's kv_cache_dtype names: "bf16" or "fp8_ds_mla".
+
+    NotImplementedError for any other kv_cache_dtype (the sparse MLA kernels read only these)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise NotImplementedError(
+            f"sparse MLA: kv_cache_dtype {kv_cache_dtype!r} is not supported; the kernels read "
+            f"{sorted(KV_CACHE_DTYPES)} (bf16 [.., 576] or the 656-byte fp8_ds_mla cache)")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def _host_ints(name: str, x: HostInts, n: Optional[int] = None) -> list:
+    """Host integers from a CPU tensor or a sequence; ValueError for a device tensor (reading
+    one would be a sync) or a wrong length."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            fail(f"{name}.device", "cpu (host lengths; reading a device tensor is a sync)", x.device)
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            fail(f"{name}.dtype", "an integer dtype", x.dtype)
+        check_tensor(name, x, ndim=1)
+        vals = x.tolist()
+    else:
+        try:
+            vals = [int(v) for v in x]
+        except (TypeError, ValueError):
+            fail(name, "a 1-D CPU integer tensor or a sequence of ints", type(x).__name__)
+        if any(not float(v).is_integer() for v in x):
+            fail(name, "integers", list(x))
+    if n is not None and len(vals) != n:
+        fail(f"len({name})", n, len(vals))
+    return vals
+
+
+def split_prefill_chunks(seq_lens: HostInts, workspace_rows: int) -> list[tuple[int, int]]:
+    """Greedy contiguous request ranges whose summed seq_len fits the workspace (DESIGN.md).
+
+    Args:
+        seq_lens: [R] host ints (a CPU tensor or a sequence), tokens to gather per request (>= 0).
+        workspace_rows: rows of the bf16 workspace (> 0).
+
+    Returns:
+        Half-open request ranges [(start, end), ...] covering 0..R in order, each as long as the
+        next request still fits (a request of seq_len 0 always fits). [] for R = 0.
+
+    Raises ValueError when one sequence alone is longer than the workspace.
+    """
+    if isinstance(workspace_rows, bool) or not isinstance(workspace_rows, int) or workspace_rows < 1:
+        fail("workspace_rows", "a positive int", workspace_rows)
+    lens = _host_ints("seq_lens", seq_lens)
+    chunks = []
+    start, total = 0, 0
+    for i, s in enumerate(lens):
+        if s < 0:
+            fail(f"seq_lens[{i}]", ">= 0", s)
+        if s > workspace_rows:
+            fail(f"seq_lens[{i}]", f"<= workspace_rows = {workspace_rows} (one sequence must fit "
+                 "the prefill workspace; raise workspace_rows)", s)
+        if total + s > workspace_rows:
+            chunks.append((start, i))
+            start, total = i, 0
+        total += s
+    if start < len(lens):
+        chunks.append((start, len(lens)))
+    return chunks
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillChunk:
+    """One group of prefill requests gathered into the workspace together (separate path).
+
+    Host ints:
+        token_start, token_end: the chunk's query tokens, [token_start, token_end) of the batch.
+        req_start, req_end: its requests, [req_start, req_end) of the batch.
+        num_rows: workspace rows it fills, sum of its seq_lens (<= the plan's workspace_rows).
+        max_seq_len: its longest sequence (the gather's grid hint).
+    Device tensors:
+        workspace_starts: [R_c] int32, first workspace row of each request, restarting at 0.
+        workspace_request_ids: [T_c] int32, request of each token within the chunk (0..R_c-1).
+        seq_lens: [R_c] int32, a view of the batch's seq_lens.
+        block_table: [R_c, M] int32, a view of the batch's block_table rows.
+    """
+
+    token_start: int
+    token_end: int
+    req_start: int
+    req_end: int
+    num_rows: int
+    max_seq_len: int
+    workspace_starts: torch.Tensor
+    workspace_request_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class SparseMLAPlan:
+    """What one step's batch is, built once (`build_sparse_mla_plan`) and read by every layer.
+
+    Built for (checked on use by `check_matches`): num_tokens (T, rows of q, padding included),
+    num_reqs (R), block_size, num_heads, kv_cache_format ("bf16" | "fp8_ds_mla"), path
+    ("bf16" | "mixed" | "separate"), device.
+
+    Split: tokens [0, num_decode_tokens) run through the decode kernel (all T on the bf16 and
+    mixed paths, where num_decodes = R); on the separate path, tokens [num_decode_tokens,
+    num_decode_tokens + num_prefill_tokens) run chunk by chunk (prefill_chunks) and the
+    num_padding_tokens after them (T beyond query_start_loc[R]) get out = 0.
+
+    Device tensors (the engine's own where possible, so in-place updates between CUDA graph
+    replays are seen): req_id_per_token [T] int32 (R for padding tokens, which makes every index
+    of theirs invalid), block_table [R, M] int32, seq_lens [R] int32.
+    """
+
+    num_tokens: int
+    num_reqs: int
+    block_size: int
+    num_heads: int
+    kv_cache_format: str
+    path: str
+    decode_threshold: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    workspace_rows: int
+    device: torch.device
+    req_id_per_token: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    prefill_chunks: tuple = ()
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens - self.num_prefill_tokens
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_prefills == 0
+
+    def check_matches(self, q: torch.Tensor, cache: torch.Tensor, topk_indices: torch.Tensor) -> None:
+        """ValueError unless q [T, H, *], cache and topk_indices [T, topk] are what this plan was
+        built for (a plan reused for another batch shape, head count or cache is a bug)."""
+        check_tensor("q", q, ndim=3)
+        T, H = q.shape[0], q.shape[1]
+        if T != self.num_tokens:
+            fail("q.shape[0]", f"{self.num_tokens} (the plan's num_tokens)", T)
+        if H != self.num_heads:
+            fail("q.shape[1]", f"{self.num_heads} (the plan's num_heads)", H)
+        check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
+        if topk_indices.shape[0] != T:
+            fail("topk_indices.shape[0]", f"{T} (q.shape[0])", topk_indices.shape[0])
+        if topk_indices.shape[1] < 1:
+            fail("topk_indices.shape[1] (topk)", ">= 1", topk_indices.shape[1])
+        fmt = mla_format_of(cache)
+        if fmt.name != self.kv_cache_format:
+            fail("cache", f"a {self.kv_cache_format} cache (the plan's kv_cache_format)",
+                 f"{fmt.name} ({cache.dtype}, shape {tuple(cache.shape)})")
+        if cache.dim() != 3 or cache.shape[1] != self.block_size:
+            fail("cache.shape[1] (block_size)", f"{self.block_size} (the plan's block_size)",
+                 tuple(cache.shape))
+        check_same_device(**{"plan tensors": self.req_id_per_token, "q": q, "cache": cache,
+                             "topk_indices": topk_indices})
+
+
+def _choose_path(fmt_name: str, num_heads: int, fp8_path: Optional[str]) -> str:
+    if fmt_name == "bf16":
+        if fp8_path is not None:
+            fail("fp8_path", "None for a bf16 cache (it picks how an fp8 cache is read)", repr(fp8_path))
+        return "bf16"
+    if fp8_path is None:
+        return "mixed" if num_heads < MIN_HEADS_FOR_SEPARATE else "separate"
+    if fp8_path not in _FP8_PATHS:
+        fail("fp8_path", f"one of {_FP8_PATHS} or None (auto)", repr(fp8_path))
+    return fp8_path
+
+
+def _positive_int(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        fail(name, "a positive int", repr(x))
+    return x
+
+
+def build_sparse_mla_plan(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    block_size: int,
+    num_heads: int,
+    kv_cache_dtype: str,
+    max_model_len: int,
+    decode_threshold: int = 1,
+    fp8_path: Optional[str] = None,
+    workspace_rows: Optional[int] = None,
+    query_lens_cpu: Optional[HostInts] = None,
+    seq_lens_cpu: Optional[HostInts] = None,
+) -> SparseMLAPlan:
+    """Build one step's plan from what the engine has.
+
+    Args:
+        query_start_loc: [R+1] int32 (device), cumulative query tokens per request, from 0.
+        seq_lens: [R] int32 (device), tokens per request including this step's new ones (all
+            already written to the cache).
+        block_table: [R, M] int32 (device), physical block of each logical block (< 0: unmapped).
+        slot_mapping: [T] int32/int64 (device), cache slot of each query token; only its length
+            T is used (T >= query_start_loc[R]: tokens past the last request are padding).
+        block_size: cache page size in tokens.
+        num_heads: H, query heads per rank, 1..128.
+        kv_cache_dtype: "bf16"/"auto" (bf16 cache) or "fp8_ds_mla"; others NotImplementedError.
+        max_model_len: the longest sequence the engine serves; sets the default workspace.
+        decode_threshold: a request with query_len <= this is a decode (raise it to the
+            speculative length for spec decoding; lengths need not be uniform).
+        fp8_path: "mixed", "separate" or None (auto: mixed when num_heads < 32, as vLLM).
+            Must be None for a bf16 cache.
+        workspace_rows: bf16 workspace rows for separate-path prefill chunks (default
+            5 * max_model_len, as vLLM).
+        query_lens_cpu: [R] host ints (CPU tensor or sequence), query tokens per request; the
+            separate path needs them and reads query_start_loc back (a sync) without them.
+        seq_lens_cpu: [R] host ints; the separate path with prefills reads seq_lens back (a
+            sync) without them. Both must agree with the device tensors (not checked: a sync).
+
+    Returns a SparseMLAPlan. Decode-only steps build no prefill structures and, given
+    query_lens_cpu on the separate path, read nothing from the device.
+    """
+    fmt_name = cache_format_name(kv_cache_dtype)
+    _positive_int("block_size", block_size)
+    _positive_int("max_model_len", max_model_len)
+    _positive_int("decode_threshold", decode_threshold)
+    _positive_int("num_heads", num_heads)
+    if num_heads > MAX_HEADS:
+        raise NotImplementedError(f"sparse MLA: num_heads {num_heads} > {MAX_HEADS} (the kernels' limit)")
+    path = _choose_path(fmt_name, num_heads, fp8_path)
+    if workspace_rows is None:
+        workspace_rows = 5 * max_model_len
+    _positive_int("workspace_rows", workspace_rows)
+
+    check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1)
+    R = query_start_loc.shape[0] - 1
+    if R < 0:
+        fail("query_start_loc.shape", "(R + 1,) with R >= 0", tuple(query_start_loc.shape))
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(R,), contiguous=True)
+    check_tensor("block_table", block_table, dtype=torch.int32, shape=(R, None), last_dim_contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), ndim=1)
+    device = check_same_device(query_start_loc=query_start_loc, seq_lens=seq_lens,
+                               block_table=block_table, slot_mapping=slot_mapping)
+    T = slot_mapping.shape[0]
+
+    # Token -> request on the device, from shapes only: request r owns tokens
+    # [qsl[r], qsl[r+1]); a padding token past qsl[R] gets R (outside the block table).
+    tokens = torch.arange(T, dtype=torch.int32, device=device)
+    req_id_per_token = torch.searchsorted(query_start_loc[1:], tokens, right=True, out_int32=True)
+
+    common = dict(num_tokens=T, num_reqs=R, block_size=block_size, num_heads=num_heads,
+                  kv_cache_format=fmt_name, path=path, decode_threshold=decode_threshold,
+                  workspace_rows=workspace_rows, device=device, req_id_per_token=req_id_per_token,
+                  block_table=block_table, seq_lens=seq_lens)
+    if path != "separate":
+        return SparseMLAPlan(num_decodes=R, num_decode_tokens=T, num_prefills=0,
+                             num_prefill_tokens=0, **common)
+
+    # Separate path: split on the host lengths.
+    if query_lens_cpu is None:
+        qsl = query_start_loc.tolist()  # a sync; the engine avoids it by passing query_lens_cpu
+        qlens = [qsl[i + 1] - qsl[i] for i in range(R)]
+    else:
+        qlens = _host_ints("query_lens_cpu", query_lens_cpu, R)
+    for i, n in enumerate(qlens):
+        if n < 0:
+            fail(f"query_lens_cpu[{i}]", ">= 0", n)
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    if starts[-1] > T:
+        fail("sum(query_lens_cpu)", f"<= num tokens {T} (slot_mapping.shape[0])", starts[-1])
+    nd = 0
+    while nd < R and qlens[nd] <= decode_threshold:
+        nd += 1
+    common.update(num_decodes=nd, num_decode_tokens=starts[nd], num_prefills=R - nd,
+                  num_prefill_tokens=starts[R] - starts[nd])
+    if nd == R:
+        return SparseMLAPlan(**common)
+
+    if seq_lens_cpu is None:
+        pf_lens = seq_lens[nd:].tolist()  # a sync, on the prefill path only
+    else:
+        pf_lens = _host_ints("seq_lens_cpu", seq_lens_cpu, R)[nd:]
+    for j, (s, n) in enumerate(zip(pf_lens, qlens[nd:])):
+        if s < n:
+            fail(f"seq_lens[{nd + j}]", f">= its query length {n} (the new tokens are in the cache)", s)
+    bounds = split_prefill_chunks(pf_lens, workspace_rows)
+
+    # All chunks' host-built int32 data go to the device in one copy, then get sliced.
+    host, layout = [], []
+    for rs, re in bounds:
+        lens = pf_lens[rs:re]
+        ws_starts, acc = [], 0
+        for s in lens:
+            ws_starts.append(acc)
+            acc += s
+        ws_rids = [k for k, n in enumerate(qlens[nd + rs:nd + re]) for _ in range(n)]
+        layout.append((len(host), len(ws_starts), len(ws_rids)))
+        host += ws_starts + ws_rids
+    buf = torch.tensor(host, dtype=torch.int32).to(device)
+    chunks = []
+    for (rs, re), (off, n_req, n_tok) in zip(bounds, layout):
+        lens = pf_lens[rs:re]
+        chunks.append(PrefillChunk(
+            token_start=starts[nd + rs], token_end=starts[nd + re], req_start=nd + rs,
+            req_end=nd + re, num_rows=sum(lens), max_seq_len=max(lens),
+            workspace_starts=buf[off:off + n_req],
+            workspace_request_ids=buf[off + n_req:off + n_req + n_tok],
+            seq_lens=seq_lens[nd + rs:nd + re], block_table=block_table[nd + rs:nd + re]))
+    return SparseMLAPlan(prefill_chunks=tuple(chunks), **common)

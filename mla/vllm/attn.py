@@ -1,0 +1,214 @@
+"""vLLM attention backend OPENMLA_ATTN: the general MHA/GQA path through openmla's kernels.
+
+    pip install .        # openmla, at its root: openmla.mla.vllm.register registers it
+    vllm serve <model> --attention-backend OPENMLA_ATTN
+
+Written against vLLM 0.32, following its FlashAttention and Triton backends' interfaces
+(`vllm/v1/attention/backends/flash_attn.py`, `triton_attn.py`). vLLM is imported lazily, as in
+mla/vllm/sparse.py (whose shared helpers this module uses).
+
+Thin adapter, no kernel logic:
+    OpenMLAAttentionBackend          capabilities, declared statically: bf16/fp16 activations;
+                                     caches auto/bfloat16/float16 and fp8/fp8_e4m3 (per-tensor
+                                     scales); head sizes multiples of 8 up to 256; any block size;
+                                     sinks, sliding window, ALiBi, softcap; decoder, encoder and
+                                     encoder-only attention.
+    OpenMLAAttentionMetadataBuilder  CommonAttentionMetadata -> openmla's AttentionPlan
+                                     (mla.mha.plan.build_attention_plan), once per step.
+    OpenMLAAttentionImpl             forward: mla.mha.impl.PagedAttentionImpl.forward writes the
+                                     step's keys and values into the layer's cache and attends
+                                     (forward_includes_kv_cache_update = True).
+
+vLLM's cache for one layer is the logical [num_blocks, H_kv, block_size, 2 * D] tensor (keys then
+values along the last axis; its physical order is the engine's KVCacheLayout, uint8 storage for
+fp8). The impl views it as NHD key and value caches, which openmla's kernels read through their
+strides, whatever the layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from openmla.mla.vllm.common import check_kv_cache_dtype, lazy_classes, plan_inputs
+
+__all__ = ["BACKEND_NAME", "VLLM_KV_CACHE_DTYPES"]
+
+BACKEND_NAME = "OPENMLA_ATTN"
+# vLLM's kv_cache_dtype names, passed to PagedAttentionImpl unchanged ("fp8" is vLLM's alias of
+# fp8_e4m3, per-tensor k_scale / v_scale). No int8: openmla's int8_qkv / int8_qk caches (a K
+# scale cache beside the pages, a static per-channel V scale) have no vLLM 0.32 name, and its
+# "int8_per_token_head" is another format (scales packed inside each page, dynamic V scales).
+VLLM_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+_MODEL_DTYPE_CACHES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_ATTN_TYPES = ("decoder", "encoder", "encoder_only")
+_CLASS_NAMES = ("OpenMLAAttentionBackend", "OpenMLAAttentionMetadata",
+                "OpenMLAAttentionMetadataBuilder", "OpenMLAAttentionImpl")
+
+
+def _build_classes() -> tuple:
+    from vllm.v1.attention.backend import (
+        AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadata,
+        AttentionMetadataBuilder, CommonAttentionMetadata, MultipleOf,
+    )
+    from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
+
+    from openmla.mla.mha.impl import MAX_HEAD_SIZE, PagedAttentionImpl
+    from openmla.mla.mha.plan import AttentionPlan, build_attention_plan
+
+    class OpenMLAAttentionBackend(AttentionBackend):
+        """MHA/GQA over a paged KV cache on openmla's Triton kernels; any GPU Triton runs on."""
+
+        supported_dtypes = [torch.float16, torch.bfloat16]
+        supported_kv_cache_dtypes = list(VLLM_KV_CACHE_DTYPES)
+        # vLLM's layer calls forward only; forward writes the cache first (PagedAttentionImpl).
+        forward_includes_kv_cache_update = True
+
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec=None):
+            return [MultipleOf(1)]  # the kernels take any page size and strided blocks
+
+        @staticmethod
+        def get_name() -> str:
+            return BACKEND_NAME
+
+        @staticmethod
+        def get_metadata_cls():
+            return OpenMLAAttentionMetadata
+
+        @staticmethod
+        def get_builder_cls():
+            return OpenMLAAttentionMetadataBuilder
+
+        @staticmethod
+        def get_impl_cls():
+            return OpenMLAAttentionImpl
+
+        @classmethod
+        def supports_head_size(cls, head_size: int) -> bool:
+            # DESIGN.md's contract (the kernel also runs other sizes up to 256, untuned)
+            return head_size % 8 == 0 and 8 <= head_size <= MAX_HEAD_SIZE
+
+        @classmethod
+        def supports_sink(cls) -> bool:
+            return True
+
+        @classmethod
+        def supports_sliding_window(cls) -> bool:
+            return True
+
+        @classmethod
+        def supports_attn_type(cls, attn_type: str) -> bool:
+            return attn_type in _ATTN_TYPES  # not encoder_decoder (cross-attention)
+
+        @classmethod
+        def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                                 has_sink, use_sparse, use_mm_prefix, device_capability):
+            cache = _MODEL_DTYPE_CACHES.get(kv_cache_dtype)
+            if cache is not None and cache != dtype:
+                return (f"kv_cache_dtype {kv_cache_dtype} with {dtype} activations: a 16-bit "
+                        "cache is read in the model's dtype")
+            return None
+
+    @dataclass
+    class OpenMLAAttentionMetadata(AttentionMetadata):
+        """Per-step metadata: openmla's plan plus the engine's fields (as vLLM's backends)."""
+
+        plan: AttentionPlan
+        num_actual_tokens: int
+        max_query_len: int
+        max_seq_len: int
+        query_start_loc: torch.Tensor
+        seq_lens: torch.Tensor
+        block_table: torch.Tensor
+        slot_mapping: torch.Tensor
+        causal: Any = True
+
+    class OpenMLAAttentionMetadataBuilder(AttentionMetadataBuilder[OpenMLAAttentionMetadata]):
+        """CommonAttentionMetadata -> AttentionPlan (mla.mha.plan.build_attention_plan).
+
+        Heads per rank from the layers of this group (vLLM's get_num_attention_heads_from_layers,
+        else model_config.get_num_attention_heads), KV heads and block size from kv_cache_spec.
+        Decodes (query_len <= reorder_batch_threshold, raised to the speculative length) are
+        put first by vLLM and run as one short-query launch; the rest as one prefill launch.
+        common_prefix_len is ignored (vLLM 0.32 always passes 0: no cascade attention)."""
+
+        # Sound in principle for uniform decode batches (no host read, the engine's persistent
+        # tensors), but not yet exercised under CUDA-graph capture: declared NEVER until it is.
+        _cudagraph_support = AttentionCGSupport.NEVER
+
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            self.num_heads = (get_num_attention_heads_from_layers(vllm_config, layer_names)
+                              or vllm_config.model_config.get_num_attention_heads(
+                                  vllm_config.parallel_config))
+            self.num_kv_heads = kv_cache_spec.num_kv_heads
+            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+
+        def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+                  fast_build: bool = False) -> OpenMLAAttentionMetadata:
+            cm = common_attn_metadata
+            args, host = plan_inputs(cm)
+            plan = build_attention_plan(
+                *args, max_query_len=cm.max_query_len, block_size=self.kv_cache_spec.block_size,
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                decode_threshold=self.reorder_batch_threshold or 1, use_cascade=False, **host)
+            return OpenMLAAttentionMetadata(
+                plan=plan, num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
+                max_seq_len=cm.max_seq_len, query_start_loc=cm.query_start_loc,
+                seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+                slot_mapping=cm.slot_mapping, causal=cm.causal)
+
+    class OpenMLAAttentionImpl(AttentionImpl[OpenMLAAttentionMetadata]):
+        """vLLM's AttentionImpl over mla.mha.impl.PagedAttentionImpl (same constructor arguments
+        as vLLM's FlashAttentionImpl)."""
+
+        def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                     sliding_window, kv_cache_dtype, logits_soft_cap=None, attn_type="decoder",
+                     kv_sharing_target_layer_name=None, sinks=None):
+            attn_type = getattr(attn_type, "value", attn_type)  # vLLM's AttentionType (a str Enum)
+            self.num_heads = num_heads
+            self.head_size = head_size
+            self.scale = float(scale)
+            self.num_kv_heads = num_kv_heads
+            self.kv_cache_dtype = check_kv_cache_dtype(BACKEND_NAME, kv_cache_dtype,
+                                                       VLLM_KV_CACHE_DTYPES)
+            self.attn_type = attn_type
+            self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+            self.sinks = sinks
+            self._openmla = PagedAttentionImpl(
+                num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window,
+                softcap=logits_soft_cap or None, alibi_slopes=alibi_slopes, sinks=sinks,
+                kv_cache_dtype=kv_cache_dtype, attn_type=attn_type)
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                    output_scale=None, output_block_scale=None):
+            """query [T, H, D], key/value [T, H_kv, D] (rows past the plan's tokens are
+            padding), kv_cache [num_blocks, H_kv, block_size, 2 * D] (vLLM's logical layout),
+            output [T, H, D], written and returned. layer._k_scale / _v_scale: fp8 scales."""
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError(f"{BACKEND_NAME}: fused output quantization")
+            if attn_metadata is None:  # vLLM's profiling run
+                return output.fill_(0)
+            plan = attn_metadata.plan
+            n = plan.num_tokens
+            impl = self._openmla
+            if self.attn_type != "decoder":  # non-causal over the step's own keys, no cache
+                impl.forward(query[:n], key[:n], value[:n], None, plan, output[:n])
+                return output
+            if attn_metadata.causal is not True:
+                raise NotImplementedError(f"{BACKEND_NAME}: non-causal decoder attention")
+            if self.kv_sharing_target_layer_name is not None:  # another layer writes the cache
+                key = value = None
+            if impl.is_fp8:  # vLLM's AttentionLayer protocol names its scales _k_scale, _v_scale
+                impl.set_kv_scales(layer._k_scale, layer._v_scale)
+            caches = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            impl.forward(query[:n], key, value, caches, plan, output[:n])
+            return output
+
+    return (OpenMLAAttentionBackend, OpenMLAAttentionMetadata, OpenMLAAttentionMetadataBuilder,
+            OpenMLAAttentionImpl)
+
+
+__getattr__ = lazy_classes(__name__, _CLASS_NAMES, _build_classes)

@@ -1,0 +1,217 @@
+"""vLLM adapter OPENMLA_SPARSE (registered by `openmla.mla.vllm.register`):
+
+    vllm serve <model> --attention-backend OPENMLA_SPARSE     # DeepSeek-V3.2-class sparse MLA
+
+Written against vLLM 0.32 (`vllm.v1.attention.backend`). vLLM is imported lazily: importing this
+module does not import vLLM; the classes are created on first attribute access
+(`openmla.mla.vllm.sparse.OpenMLASparseBackend`, which is how vLLM resolves the registered class path).
+
+OPENMLA_SPARSE, a thin adapter with no kernel logic:
+    OpenMLASparseBackend          capabilities, declared statically (bf16 and fp8_ds_mla caches,
+                                  head size 576, bf16 activations, MLA and sparse, any block size).
+    OpenMLASparseMetadataBuilder  vLLM's CommonAttentionMetadata -> openmla's SparseMLAPlan
+                                  (mla.sparse.plan.build_sparse_mla_plan), once per step.
+    OpenMLASparseImpl             forward_mqa: absorbed q [T, H, 576] (or (ql_nope, q_pe)), the
+                                  layer's cache and the indexer's top-k (positions within each
+                                  request) -> mla.sparse.impl.SparseMLAImpl.forward_mqa -> [T, H, 512].
+                                  do_kv_cache_update writes through quant.write_mla_cache.
+
+The shared vLLM MLA layer routes tokens by num_decode_tokens: this backend reports every token
+as a "decode" (num_prefills = 0), so the layer sends the whole batch to forward_mqa and openmla's
+plan splits decode and prefill tokens itself (mla/sparse/plan.py), as vLLM's XPU sparse backend does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from openmla.mla.vllm.common import check_kv_cache_dtype, lazy_classes, plan_inputs
+
+__all__ = ["BACKEND_NAME", "VLLM_KV_CACHE_DTYPES"]
+
+BACKEND_NAME = "OPENMLA_SPARSE"
+# vLLM's cache_dtype names -> openmla's kv_cache_dtype ("fp8" is vLLM's alias of fp8_ds_mla for
+# sparse MLA; FlashMLASparseBackend accepts it the same way).
+VLLM_KV_CACHE_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "fp8_ds_mla": "fp8_ds_mla",
+                        "fp8": "fp8_ds_mla"}
+HEAD_SIZE = 576
+_CLASS_NAMES = ("OpenMLASparseBackend", "OpenMLASparseMetadata", "OpenMLASparseMetadataBuilder",
+                "OpenMLASparseImpl")
+
+
+def _openmla_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    return VLLM_KV_CACHE_DTYPES[check_kv_cache_dtype(BACKEND_NAME, kv_cache_dtype,
+                                                     VLLM_KV_CACHE_DTYPES)]
+
+
+def _build_classes() -> tuple:
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
+    from vllm.v1.attention.backend import (
+        AttentionBackend, AttentionCGSupport, AttentionMetadata, AttentionMetadataBuilder,
+        CommonAttentionMetadata, MLAAttentionImpl, MultipleOf,
+    )
+
+    from openmla.mla.sparse.impl import SparseMLAImpl
+    from openmla.mla.sparse.plan import SparseMLAPlan, build_sparse_mla_plan
+    from openmla.quant.mla_writer import write_mla_cache
+
+    class OpenMLASparseBackend(AttentionBackend):
+        """Sparse MLA (DeepSeek-V3.2 DSA) on openmla's Triton kernels; any GPU Triton runs on."""
+
+        supported_dtypes = [torch.bfloat16]
+        supported_kv_cache_dtypes = list(VLLM_KV_CACHE_DTYPES)
+
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec=None):
+            return [MultipleOf(1)]  # the kernels take any page size and strided blocks
+
+        @staticmethod
+        def get_name() -> str:
+            return BACKEND_NAME
+
+        @staticmethod
+        def get_metadata_cls():
+            return OpenMLASparseMetadata
+
+        @staticmethod
+        def get_builder_cls():
+            return OpenMLASparseMetadataBuilder
+
+        @staticmethod
+        def get_impl_cls():
+            return OpenMLASparseImpl
+
+        @classmethod
+        def get_supported_head_sizes(cls) -> list[int]:
+            return [HEAD_SIZE]  # 512 latent + 64 rope
+
+        @classmethod
+        def is_mla(cls) -> bool:
+            return True
+
+        @classmethod
+        def is_sparse(cls) -> bool:
+            return True
+
+    @dataclass
+    class OpenMLASparseMetadata(AttentionMetadata):
+        """Per-step metadata: openmla's plan plus the fields vLLM's shared MLA layer reads."""
+
+        plan: SparseMLAPlan
+        num_reqs: int
+        num_actual_tokens: int
+        max_query_len: int
+        max_seq_len: int
+        query_start_loc: torch.Tensor
+        slot_mapping: torch.Tensor
+        block_table: torch.Tensor
+        seq_lens: torch.Tensor
+        block_size: int
+        # every token goes to forward_mqa (module docstring)
+        num_decodes: int = 0
+        num_prefills: int = 0
+        num_decode_tokens: int = 0
+        prefill: Any = None
+        decode: Any = None
+
+    class OpenMLASparseMetadataBuilder(AttentionMetadataBuilder[OpenMLASparseMetadata]):
+        """CommonAttentionMetadata -> SparseMLAPlan (mla.sparse.plan.build_sparse_mla_plan).
+
+        Reads from vllm_config: model_config.get_num_attention_heads(parallel_config) (heads per
+        rank), model_config.max_model_len, cache_config.cache_dtype. Decodes (query_len <=
+        reorder_batch_threshold, raised to the speculative length) are put first by vLLM."""
+
+        _cudagraph_support = AttentionCGSupport.NEVER
+
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            model_config = vllm_config.model_config
+            self.num_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
+            self.max_model_len = model_config.max_model_len
+            self.kv_cache_dtype = _openmla_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
+            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+
+        def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+                  fast_build: bool = False) -> OpenMLASparseMetadata:
+            cm = common_attn_metadata
+            T = cm.num_actual_tokens
+            args, host = plan_inputs(cm)
+            plan = build_sparse_mla_plan(
+                *args, block_size=self.kv_cache_spec.block_size, num_heads=self.num_heads,
+                kv_cache_dtype=self.kv_cache_dtype, max_model_len=self.max_model_len,
+                decode_threshold=self.reorder_batch_threshold or 1, **host)
+            return OpenMLASparseMetadata(
+                plan=plan, num_reqs=cm.num_reqs, num_actual_tokens=T,
+                max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
+                query_start_loc=cm.query_start_loc, slot_mapping=cm.slot_mapping,
+                block_table=cm.block_table_tensor, seq_lens=cm.seq_lens,
+                block_size=self.kv_cache_spec.block_size, num_decodes=cm.num_reqs,
+                num_prefills=0, num_decode_tokens=T)
+
+    class OpenMLASparseImpl(MLAAttentionImpl[OpenMLASparseMetadata], SharedTopkIndicesBuffer):
+        """forward_mqa through mla.sparse.impl.SparseMLAImpl; the cache write through quant."""
+
+        is_sparse = True
+
+        def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                     kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                     topk_indices_buffer=None, indexer=None, **mla_args):
+            unsupported = [name for name, val in (
+                ("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+                ("logits_soft_cap", logits_soft_cap)) if val is not None]
+            if unsupported:
+                raise NotImplementedError(f"{BACKEND_NAME}: {', '.join(unsupported)} not supported")
+            if head_size != HEAD_SIZE:
+                raise NotImplementedError(f"{BACKEND_NAME}: head_size {head_size}, supported: {HEAD_SIZE}")
+            self.num_heads = num_heads
+            self.head_size = head_size
+            self.scale = float(scale)
+            self.num_kv_heads = num_kv_heads
+            self.kv_cache_dtype = kv_cache_dtype
+            self.kv_lora_rank = mla_args["kv_lora_rank"]
+            self._mla_args = mla_args
+            self._openmla_dtype = _openmla_kv_cache_dtype(kv_cache_dtype)
+            self._openmla: Optional[SparseMLAImpl] = None
+            self.init_topk_indices_buffer(indexer, topk_indices_buffer)
+
+        def _layer(self, plan: SparseMLAPlan) -> SparseMLAImpl:
+            # Created on first use: the plan carries the workspace size (from max_model_len,
+            # which vLLM gives the builder, not the impl).
+            if self._openmla is None or self._openmla.workspace_rows < plan.workspace_rows:
+                a = self._mla_args
+                self._openmla = SparseMLAImpl(
+                    self.num_heads, self.scale, self._openmla_dtype,
+                    kv_lora_rank=a["kv_lora_rank"], qk_rope_head_dim=a["qk_rope_head_dim"],
+                    qk_nope_head_dim=a["qk_nope_head_dim"], v_head_dim=a["v_head_dim"],
+                    max_model_len=plan.workspace_rows, workspace_rows=plan.workspace_rows)
+            return self._openmla
+
+        def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+            """q: [T, H, 576] bf16 or (ql_nope [T, H, 512], q_pe [T, H, 64]); cache [blocks,
+            block_size, 576] bf16 or [blocks, block_size, 656] uint8. Returns ([T, H, 512], None)."""
+            if isinstance(q, tuple):
+                q = torch.cat(q, dim=-1)
+            topk = self.topk_indices_buffer
+            if topk is None:
+                raise RuntimeError(f"{BACKEND_NAME}: no top-k indices buffer (indexer) for this layer")
+            plan = attn_metadata.plan
+            out = self._layer(plan).forward_mqa(q, kv_c_and_k_pe_cache, topk[:q.shape[0]], plan)
+            return out, None
+
+        def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                               k_scale) -> None:
+            """kv_c_normed [T, 512], k_pe [T, 1, 64] or [T, 64]; slots < 0 are skipped."""
+            if kv_cache.numel() == 0:
+                return
+            from openmla.quant.mla_formats import MLA_FORMATS
+            fmt = MLA_FORMATS[_openmla_kv_cache_dtype(kv_cache_dtype)]
+            write_mla_cache(kv_c_normed, k_pe.reshape(k_pe.shape[0], -1), kv_cache,
+                            slot_mapping.flatten(), fmt=fmt, check_slots=False)
+
+    return (OpenMLASparseBackend, OpenMLASparseMetadata, OpenMLASparseMetadataBuilder,
+            OpenMLASparseImpl)
+
+
+__getattr__ = lazy_classes(__name__, _CLASS_NAMES, _build_classes)

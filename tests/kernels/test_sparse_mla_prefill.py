@@ -1,0 +1,298 @@
+"""kernels.sparse_mla_prefill against the fp32 oracle kernels.reference.sparse_mla_ref.
+
+out within "sparse_prefill" (abs 8e-4 or rel 3/128 elementwise), max_logits and lse within
+"lse" (abs 1e-5), inf positions exact. Inputs are adversarial by default: every kv row that no
+valid index selects is NaN (so any read of an invalid or unused row shows), invalid indices of
+every kind, duplicate indices, a non-default softmax scale, empty rows.
+
+Data scale: q ~ N(0, 1), kv ~ N(0, 1) / 10, as in FlashMLA's prefill tests. The kernel, like
+FlashMLA and FlashAttention, feeds the softmax weights to the value dot as bf16 (relative error
+up to 2^-9 per weight), so the absolute error of out scales with |v|; with unit-variance values
+and a few dominant keys it would exceed 8e-4 on near-zero outputs. The scale does not hide
+wrong indexing, masking or softmax bookkeeping, which all show as O(1) relative errors.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from openmla.kernels.sparse_mla_prefill import sm90 as sm90
+from openmla.kernels.sparse_mla_prefill import sm90_kn as sm90_kn
+from openmla.kernels.device import sm90_gluon
+from openmla.kernels.reference import sparse_mla_ref
+from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
+from tests.helpers import DEVICE, GPU_ONLY, SM90_ONLY, assert_close, compile_gluon_sm90, invalid_indices
+
+DEFAULT_SCALE = 576 ** -0.5
+
+
+@dataclass(frozen=True)
+class Case:
+    T: int
+    H: int
+    topk: int
+    N: int = 400
+    invalid: float = 0.0  # fraction of indices replaced by invalid values (every kind cycles)
+    lengths: bool = False  # topk_length with 0, negative, > topk and random values
+    sink: bool = False
+    scale: float = DEFAULT_SCALE
+    row_stride: int = 576  # kv row stride in elements (> 576: a strided view)
+    q_heads_stride: int = 0  # extra heads in q's backing buffer (q a strided view), 0: contiguous
+
+
+def build(c: Case, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    backing = torch.full((c.N, c.row_stride), float("nan"), dtype=torch.bfloat16)
+    kv = backing[:, :576]
+    idx = torch.randint(0, c.N, (c.T, c.topk), generator=g, dtype=torch.int32)  # duplicates too
+    if c.invalid:
+        bad = torch.tensor(invalid_indices(c.N), dtype=torch.int32)
+        which = torch.rand(c.T, c.topk, generator=g) < c.invalid
+        kinds = torch.arange(c.T * c.topk).view(c.T, c.topk) % len(bad)
+        idx = torch.where(which, bad[kinds], idx)
+        if c.T > 1:
+            idx[-1] = bad[torch.arange(c.topk) % len(bad)]  # a row with no valid index at all
+    used = idx[(idx >= 0) & (idx < c.N)].long().unique()
+    kv[used] = (torch.randn(used.numel(), 576, generator=g) / 10).to(torch.bfloat16)
+    q_full = torch.randn(c.T, c.H + c.q_heads_stride, 576, generator=g).to(torch.bfloat16)
+    q = q_full[:, :c.H]
+    topk_length = None
+    if c.lengths:
+        topk_length = torch.randint(-2, c.topk + 3, (c.T,), generator=g, dtype=torch.int32)
+        topk_length[0] = 0
+        if c.T > 2:
+            topk_length[1] = c.topk + 5
+    attn_sink = None
+    if c.sink:
+        attn_sink = torch.randn(c.H, generator=g) * 2
+        attn_sink[0] = float("-inf")  # a head whose sink takes nothing
+    args = dict(q=q, kv=kv, indices=idx, topk_length=topk_length, attn_sink=attn_sink)
+    return {k: (v.to(DEVICE) if v is not None else None) for k, v in args.items()}
+
+
+def check(c: Case, request):
+    seed = zlib.crc32(request.node.name.encode())
+    a = build(c, seed)
+    out, max_logits, lse = sparse_mla_prefill(a["q"], a["kv"], a["indices"], scale=c.scale,
+                                              topk_length=a["topk_length"], attn_sink=a["attn_sink"])
+    want_out, want_ml, want_lse = sparse_mla_ref(a["q"], a["kv"], a["indices"], scale=c.scale,
+                                                 topk_length=a["topk_length"], attn_sink=a["attn_sink"])
+    assert out.dtype == torch.bfloat16 and out.shape == (c.T, c.H, 512)
+    assert_close("out", out.float(), want_out, "sparse_prefill")
+    assert_close("max_logits", max_logits, want_ml, "lse")
+    assert_close("lse", lse, want_lse, "lse")
+    return out, max_logits, lse
+
+
+# ------------------------------------------------------------------------------------------------
+# Regular: head counts of the contract, topk a multiple of the row block
+REGULAR = [
+    pytest.param(Case(T=3, H=16, topk=128), id="T3-H16-topk128"),
+    pytest.param(Case(T=2, H=32, topk=128), id="T2-H32-topk128"),
+    pytest.param(Case(T=2, H=64, topk=128), id="T2-H64-topk128"),
+    pytest.param(Case(T=2, H=128, topk=128), id="T2-H128-topk128"),
+    pytest.param(Case(T=1, H=16, topk=2048, N=3000), id="T1-H16-topk2048"),
+    pytest.param(Case(T=64, H=16, topk=2048, N=32768), id="T64-H16-topk2048", marks=GPU_ONLY),
+    pytest.param(Case(T=64, H=32, topk=2048, N=32768), id="T64-H32-topk2048", marks=GPU_ONLY),
+    pytest.param(Case(T=64, H=64, topk=2048, N=32768), id="T64-H64-topk2048", marks=GPU_ONLY),
+    pytest.param(Case(T=64, H=128, topk=2048, N=32768), id="T64-H128-topk2048", marks=GPU_ONLY),
+]
+
+# Irregular: head counts that are no tile size, topk that is no multiple of the row block
+IRREGULAR = [
+    pytest.param(Case(T=3, H=1, topk=1), id="T3-H1-topk1"),
+    pytest.param(Case(T=3, H=5, topk=50), id="T3-H5-topk50"),
+    pytest.param(Case(T=2, H=20, topk=50), id="T2-H20-topk50"),
+    pytest.param(Case(T=2, H=100, topk=50), id="T2-H100-topk50"),
+    pytest.param(Case(T=2, H=5, topk=1000, N=1500), id="T2-H5-topk1000"),
+    pytest.param(Case(T=40, H=5, topk=1000, N=5000), id="T40-H5-topk1000", marks=GPU_ONLY),
+    pytest.param(Case(T=40, H=1, topk=2048, N=5000), id="T40-H1-topk2048", marks=GPU_ONLY),
+    pytest.param(Case(T=33, H=128, topk=1000, N=5000), id="T33-H128-topk1000", marks=GPU_ONLY),
+    pytest.param(Case(T=33, H=40, topk=777, N=5000), id="T33-H40-topk777", marks=GPU_ONLY),
+]
+
+
+@pytest.mark.parametrize("case", REGULAR + IRREGULAR)
+def test_matches_oracle(case, request):
+    check(case, request)
+
+
+# ------------------------------------------------------------------------------------------------
+# Invalid indices of every kind (< 0, >= N, INT32_MIN/MAX), a row with none valid
+INVALID = [
+    pytest.param(Case(T=4, H=16, topk=50, invalid=0.3), id="T4-H16-topk50"),
+    pytest.param(Case(T=3, H=64, topk=128, invalid=0.5), id="T3-H64-topk128"),
+    pytest.param(Case(T=4, H=1, topk=1, invalid=0.5), id="T4-H1-topk1"),
+    pytest.param(Case(T=32, H=128, topk=2048, N=8000, invalid=0.3), id="T32-H128-topk2048",
+                 marks=GPU_ONLY),
+    pytest.param(Case(T=32, H=32, topk=1000, N=8000, invalid=0.9), id="T32-H32-topk1000",
+                 marks=GPU_ONLY),
+]
+
+
+@pytest.mark.parametrize("case", INVALID)
+def test_invalid_indices_are_skipped(case, request):
+    out, max_logits, lse = check(case, request)
+    # the last row has no valid index: out 0, max_logits -inf, lse -inf (checked against the
+    # oracle above; said here once more as the contract)
+    assert bool((out[-1] == 0).all())
+    assert bool((max_logits[-1] == float("-inf")).all()) and bool((lse[-1] == float("-inf")).all())
+
+
+# ------------------------------------------------------------------------------------------------
+# topk_length (0, negative, > topk, random) and attention sinks
+LENGTHS_AND_SINKS = [
+    pytest.param(Case(T=5, H=16, topk=50, lengths=True), id="T5-H16-topk50-len"),
+    pytest.param(Case(T=4, H=64, topk=128, lengths=True, invalid=0.2), id="T4-H64-topk128-len-invalid"),
+    pytest.param(Case(T=3, H=5, topk=50, sink=True), id="T3-H5-topk50-sink"),
+    pytest.param(Case(T=4, H=32, topk=50, sink=True, lengths=True, invalid=0.3),
+                 id="T4-H32-topk50-sink-len-invalid"),
+    pytest.param(Case(T=48, H=128, topk=2048, N=8000, lengths=True, sink=True),
+                 id="T48-H128-topk2048-sink-len", marks=GPU_ONLY),
+    pytest.param(Case(T=48, H=16, topk=1000, N=8000, lengths=True, sink=True, invalid=0.2),
+                 id="T48-H16-topk1000-sink-len-invalid", marks=GPU_ONLY),
+]
+
+
+@pytest.mark.parametrize("case", LENGTHS_AND_SINKS)
+def test_lengths_and_sinks(case, request):
+    out, max_logits, lse = check(case, request)
+    if case.lengths:  # row 0 has topk_length 0: empty, with or without a sink
+        assert bool((out[0] == 0).all()) and bool((lse[0] == float("-inf")).all())
+
+
+# ------------------------------------------------------------------------------------------------
+# Softmax scale, strided kv rows (a flat view of a padded cache) and strided q
+LAYOUT_AND_SCALE = [
+    pytest.param(Case(T=3, H=16, topk=128, scale=0.3), id="T3-H16-topk128-scale0.3"),
+    pytest.param(Case(T=2, H=64, topk=50, scale=1.0), id="T2-H64-topk50-scale1"),
+    pytest.param(Case(T=3, H=16, topk=50, row_stride=640, q_heads_stride=3),
+                 id="T3-H16-topk50-kvstride640-qstrided"),
+    pytest.param(Case(T=2, H=64, topk=128, row_stride=600, invalid=0.2), id="T2-H64-topk128-kvstride600"),
+    # rows not on 16 bytes: the Triton kernel serves them on Hopper too
+    pytest.param(Case(T=5, H=64, topk=200, N=900, row_stride=580), id="T5-H64-topk200-kvstride580"),
+    pytest.param(Case(T=64, H=128, topk=2048, N=8000, row_stride=656, scale=0.3, invalid=0.1),
+                 id="T64-H128-topk2048-kvstride656-scale0.3", marks=GPU_ONLY),
+]
+
+
+@pytest.mark.parametrize("case", LAYOUT_AND_SCALE)
+def test_scale_and_strides(case, request):
+    check(case, request)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two kernels serve 64-head blocks: the Gluon one on Hopper (every test above runs it there for
+# H > 32) and the Triton one everywhere else. On Hopper, run the Triton one here too.
+TRITON_PATH = [
+    pytest.param(Case(T=33, H=128, topk=1000, N=5000), id="T33-H128-topk1000"),
+    pytest.param(Case(T=32, H=64, topk=2048, N=8000, invalid=0.3), id="T32-H64-topk2048-invalid"),
+    pytest.param(Case(T=9, H=100, topk=300, N=3000, invalid=0.2, lengths=True, sink=True),
+                 id="T9-H100-topk300-lengths-sink"),
+    pytest.param(Case(T=40, H=16, topk=2048, N=5000), id="T40-H16-topk2048"),
+    pytest.param(Case(T=9, H=27, topk=300, N=3000, invalid=0.2, lengths=True, sink=True),
+                 id="T9-H27-topk300-lengths-sink"),
+]
+
+
+@SM90_ONLY
+@pytest.mark.parametrize("case", TRITON_PATH)
+def test_triton_kernel_on_hopper(case, request, monkeypatch):
+    monkeypatch.setenv("OPENMLA_SM90_GLUON", "0")
+    assert not sm90_gluon(DEVICE)
+    check(case, request)
+
+
+@pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+def test_sm90_kernel_compiles_without_spills():
+    """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
+    that breaks it, spills or outgrows shared memory fails on the CPU too."""
+    got = compile_gluon_sm90(
+        "openmla.kernels.sparse_mla_prefill.sm90", "sparse_mla_prefill_sm90_kernel",
+        dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=64,
+             BLOCK_H=sm90.BLOCK_H, BLOCK_N=sm90.BLOCK_N),
+        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90.NUM_WARPS)
+    assert got["shared"] <= 227 * 1024 and got["stack"] == 0 and got["regs"] <= 255, got
+    # what it is for: tensor-core wgmma and asynchronous 16-byte gathers (18 per thread per block
+    # of 64 rows, issued in two places: before the loop and in it)
+    assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] == 2 * 18, got
+
+
+@pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+@pytest.mark.parametrize("block_h", [16, 32])
+def test_sm90_kn_kernel_compiles(block_h):
+    """The keys-on-M Gluon kernel (H <= 32), compiled for sm_90a on the CPU: shared memory fits,
+    both consumers issue their wgmmas (rope 4 + latent 32 score steps, 8 x 4 value steps) and the
+    producer its 16-byte gathers (32 latent + 4 rope per thread per block of 64 rows). It spills a
+    few loop-invariant values at 32 heads (reloaded from L1): accepted, see the module docstring."""
+    got = compile_gluon_sm90(
+        "openmla.kernels.sparse_mla_prefill.sm90_kn", "sparse_mla_prefill_sm90_kn_kernel",
+        dict(HAS_LEN=True, HAS_SINK=True, OFF32=True, D_LAT=512, D_ROPE=64, BLOCK_H=block_h,
+             BLOCK_N=sm90_kn.BLOCK_N, C_REGS=sm90_kn.C_REGS, TAU=sm90_kn.TAU),
+        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90_kn.NUM_WARPS)
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 128, got
+    assert got["hgmma"] == 2 * (4 + 32 + 32), got
+    assert got["ldgsts128"] == 32 + 4, got
+
+
+# ------------------------------------------------------------------------------------------------
+# The torch custom op and its fake implementation
+def test_custom_op_and_fake():
+    c = Case(T=2, H=5, topk=50)
+    a = build(c, 1)
+    got = torch.ops.openmla.sparse_mla_prefill(a["q"], a["kv"], a["indices"], 0.1, None, None)
+    want = sparse_mla_prefill(a["q"], a["kv"], a["indices"], scale=0.1)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fq, fkv, fidx = (mode.from_tensor(t) for t in (a["q"], a["kv"], a["indices"]))
+        out, ml, lse = sparse_mla_prefill(fq, fkv, fidx, scale=0.1)
+    assert out.shape == (2, 5, 512) and out.dtype == torch.bfloat16
+    assert ml.shape == lse.shape == (2, 5) and ml.dtype == lse.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad arguments raise ValueError naming the tensor (nothing is launched)
+def _good():
+    return dict(q=torch.zeros(2, 4, 576, dtype=torch.bfloat16), kv=torch.zeros(10, 576, dtype=torch.bfloat16),
+                indices=torch.zeros(2, 8, dtype=torch.int32), scale=0.1,
+                topk_length=torch.zeros(2, dtype=torch.int32), attn_sink=torch.zeros(4))
+
+
+BAD = [
+    pytest.param("q", dict(q=torch.zeros(2, 4, 576, dtype=torch.float16)), "q.dtype", id="q-fp16"),
+    pytest.param("q", dict(q=torch.zeros(2, 4, 512, dtype=torch.bfloat16)), "q.shape", id="q-512"),
+    pytest.param("q", dict(q=torch.zeros(2, 576, 4, dtype=torch.bfloat16).transpose(1, 2)),
+                 "q.stride(-1)", id="q-last-dim-strided"),
+    pytest.param("kv", dict(kv=torch.zeros(10, 640, dtype=torch.bfloat16)), "kv.shape", id="kv-640"),
+    pytest.param("kv", dict(kv=torch.zeros(2, 5, 576, dtype=torch.bfloat16)), "kv.dim()", id="kv-3d"),
+    pytest.param("kv", dict(kv=torch.zeros(576, 10, dtype=torch.bfloat16).t()), "kv.stride(-1)",
+                 id="kv-column-major"),
+    pytest.param("indices", dict(indices=torch.zeros(2, 8, dtype=torch.int64)), "indices.dtype",
+                 id="indices-int64"),
+    pytest.param("indices", dict(indices=torch.zeros(3, 8, dtype=torch.int32)), "indices.shape",
+                 id="indices-wrong-T"),
+    pytest.param("topk_length", dict(topk_length=torch.zeros(3, dtype=torch.int32)), "topk_length.shape",
+                 id="topk_length-wrong-T"),
+    pytest.param("topk_length", dict(topk_length=torch.zeros(2)), "topk_length.dtype",
+                 id="topk_length-fp32"),
+    pytest.param("attn_sink", dict(attn_sink=torch.zeros(5)), "attn_sink.shape", id="attn_sink-wrong-H"),
+    pytest.param("attn_sink", dict(attn_sink=torch.zeros(4, dtype=torch.bfloat16)), "attn_sink.dtype",
+                 id="attn_sink-bf16"),
+    pytest.param("kv", dict(kv=torch.zeros(10, 576, dtype=torch.bfloat16, device="meta")), "kv.device",
+                 id="kv-other-device"),
+    pytest.param("scale", dict(scale=0.0), "scale", id="scale-zero"),
+    pytest.param("scale", dict(scale=float("nan")), "scale", id="scale-nan"),
+]
+
+
+@pytest.mark.parametrize("name,override,names", BAD)
+def test_bad_arguments_raise(name, override, names):
+    a = {**_good(), **override}
+    q, kv, idx, scale = a.pop("q"), a.pop("kv"), a.pop("indices"), a.pop("scale")
+    with pytest.raises(ValueError, match=rf"^{names.replace('(', '[(]').replace(')', '[)]')}"):
+        sparse_mla_prefill(q, kv, idx, scale=scale, **a)
