@@ -28,14 +28,13 @@ max_logits from flash_mla_sparse_fwd; this module follows the current one.)
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Tuple
 
 import torch
 
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
-from openmla.quant.validate import check_tensor, fail
+from openmla.quant.validate import check_scale, check_tensor, fail
 from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA
 
 D_QK = FP8_DS_MLA.head_dim  # 576
@@ -121,15 +120,6 @@ def _check_meta(meta: OpenMLASchedMeta, cfg: SchedConfig) -> None:
                  f"{want} (the metadata's first use; build new metadata for new shapes)", got)
 
 
-def _check_scale(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        hint = (" (FlashMLA's README example passes is_causal, is_fp8_kvcache, indices positionally"
-                " where the signature has softmax_scale, causal, is_fp8_kvcache: pass them by keyword)"
-                if isinstance(value, bool) else "")
-        fail(name, "a finite float or None" + hint, repr(value))
-    return float(value)
-
-
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -178,7 +168,12 @@ def flash_mla_with_kvcache(
             softmax_scale * q.k; +inf for a query with no valid index (whose out is 0).
     """
     # first: a bool here is the README's positional (is_causal, is_fp8_kvcache, indices) mix-up
-    scale = D_QK ** -0.5 if softmax_scale is None else _check_scale("softmax_scale", softmax_scale)
+    if isinstance(softmax_scale, bool):
+        fail("softmax_scale", "a finite float or None (FlashMLA's README example passes is_causal, "
+             "is_fp8_kvcache, indices positionally where the signature has softmax_scale, causal, "
+             "is_fp8_kvcache: pass them by keyword)", repr(softmax_scale))
+    scale = (D_QK ** -0.5 if softmax_scale is None
+             else check_scale("softmax_scale", softmax_scale, positive=False))
     if extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None:
         raise NotImplementedError("flash_mla_with_kvcache: extra_k_cache / extra_indices_in_kvcache / "
                                   "extra_topk_length are not supported by openmla")
@@ -218,7 +213,9 @@ def flash_mla_with_kvcache(
     if topk_length is not None:  # FlashMLA's length is per batch entry; openmla's per query token
         lengths = topk_length.reshape(b, 1).expand(b, s_q).reshape(b * s_q).contiguous()
     out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
-    _, lse = sparse_mla_decode(q.reshape(b * s_q, h_q, D_QK), cache, indices.reshape(b * s_q, -1),
+    # topk named, not -1: with b * s_q == 0 a -1 could be any size
+    _, lse = sparse_mla_decode(q.reshape(b * s_q, h_q, D_QK), cache,
+                               indices.reshape(b * s_q, indices.shape[-1]),
                                scale=scale, topk_length=lengths, attn_sink=attn_sink,
                                out=out.view(b * s_q, h_q, D_V))
     lse = lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
@@ -243,7 +240,7 @@ def flash_mla_sparse_fwd(
             contiguous.
         indices: [s_q, 1, topk] int32 rows of kv, any topk >= 1, last dim contiguous; invalid =
             < 0 or >= s_kv (skipped, never read).
-        sm_scale: softmax scale (> 0) applied to q.k.
+        sm_scale: softmax scale (> 0) applied to q.k; required (FlashMLA has no default).
         d_v: must be 512.
         attn_sink: [h_q] fp32 or None: out *= exp(lse) / (exp(lse) + exp(attn_sink)); lse and
             max_logits unchanged; +inf gives out = 0.
@@ -257,6 +254,10 @@ def flash_mla_sparse_fwd(
         lse: [s_q, h_q] fp32, natural-log sum of exp(sm_scale * q.k_j); +inf for a query with no
             valid index (whose out is 0).
     """
+    if sm_scale is None:  # FlashMLA's signature has no default for it
+        fail("sm_scale", "a finite positive float (flash_mla_sparse_fwd has no default; FlashMLA's "
+             f"tests pass d_qk ** -0.5 = {D_QK ** -0.5:.6g})", None)
+    scale = check_scale("sm_scale", sm_scale, positive=True)
     if indexer_topk:
         raise NotImplementedError("flash_mla_sparse_fwd: indexer_topk > 0 (lse_indexer) is not supported "
                                   "by openmla")
@@ -267,6 +268,6 @@ def flash_mla_sparse_fwd(
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, 1, D_QK), last_dim_contiguous=True)
     check_tensor("indices", indices, dtype=torch.int32, shape=(s_q, 1, None), last_dim_contiguous=True)
     out, max_logits, lse = sparse_mla_prefill(q, kv.select(1, 0), indices.select(1, 0),
-                                              scale=_check_scale("sm_scale", sm_scale),
+                                              scale=scale,
                                               topk_length=topk_length, attn_sink=attn_sink)
     return out, max_logits, lse.masked_fill_(lse == float("-inf"), float("inf"))

@@ -1,6 +1,8 @@
 """The one validation helper used at every public boundary (STYLE.md 5)."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -8,6 +10,18 @@ import torch
 
 def fail(name: str, want, got) -> None:
     raise ValueError(f"{name}: expected {want}, got {got}")
+
+
+def check_scale(name: str, value, *, positive: bool) -> float:
+    """A softmax scale given as a host number: a real (not bool, not a tensor or string), finite,
+    and > 0 when `positive`. Returns it as a float; ValueError naming `name` otherwise."""
+    want = "a finite positive float" if positive else "a finite float"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(name, want, repr(value))
+    v = float(value)
+    if not math.isfinite(v) or (positive and v <= 0):
+        fail(name, want, repr(value))
+    return v
 
 
 def check_tensor(

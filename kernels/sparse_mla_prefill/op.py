@@ -37,7 +37,6 @@ docs/benchmarks.md (H = 16 / 32 with the keys-on-M kernel: 1.54 / 2.05 ms, this 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -47,7 +46,7 @@ import triton.language as tl
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
 from openmla.kernels.sparse_mla_prefill.shared import finish_rows
-from openmla.quant.validate import check_same_device, check_tensor, fail
+from openmla.quant.validate import check_same_device, check_scale, check_tensor, fail
 from openmla.quant.mla_formats import BF16_MLA
 
 D_LAT = BF16_MLA.latent_dim  # 512, also the value width
@@ -293,12 +292,14 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     T, H, _ = q.shape
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, D_QK), last_dim_contiguous=True)
     check_tensor("indices", indices, dtype=torch.int32, shape=(T, None), last_dim_contiguous=True)
+    if indices.shape[1] < 1:
+        fail("indices.shape[1] (topk)", ">= 1", indices.shape[1])
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(T,), contiguous=True)
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(H,), contiguous=True)
     check_same_device(q=q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        fail("scale", "a finite positive float", scale)
+    # > 0: the kernels keep the running max of the unscaled q . k and scale it afterwards, which
+    # is the max of scale * q . k only for a positive scale.
+    scale = check_scale("scale", scale, positive=True)
     return _sparse_mla_prefill_op(q, kv, indices, scale, topk_length, attn_sink)

@@ -292,6 +292,50 @@ def test_prefill_refuses(name, value, exc, match):
         flash_mla_sparse_fwd(**args)
 
 
+@pytest.mark.parametrize("value", [
+    pytest.param(None, id="None"), pytest.param(-0.1, id="negative"), pytest.param(0.0, id="zero"),
+    pytest.param(float("nan"), id="nan"), pytest.param("0.1", id="str"),
+    pytest.param(torch.tensor(0.1), id="tensor"), pytest.param(True, id="bool"),
+])
+def test_prefill_scale_errors_name_sm_scale(value):
+    """Every refused sm_scale is reported under the caller's name, sm_scale, with the same rule
+    as the op (finite, > 0); None (FlashMLA has no default here) gets a message that does not
+    offer None."""
+    args = dict(q=torch.randn(2, 2, 576).to(torch.bfloat16).to(DEVICE),
+                kv=torch.randn(8, 1, 576).to(torch.bfloat16).to(DEVICE),
+                indices=torch.zeros(2, 1, 3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError) as e:
+        flash_mla_sparse_fwd(**args, sm_scale=value)
+    msg = str(e.value)
+    assert msg.startswith("sm_scale: expected a finite positive float"), msg
+    if value is None:
+        assert "no default" in msg and "or None" not in msg, msg
+
+
+@pytest.mark.parametrize("fp8", [pytest.param(True, id="fp8"), pytest.param(False, id="bf16")])
+@pytest.mark.parametrize("b, s_q", [pytest.param(0, 2, id="b0"), pytest.param(2, 0, id="s_q0"),
+                                    pytest.param(0, 0, id="b0-s_q0")])
+def test_decode_empty_batch(b, s_q, fp8):
+    """An empty batch returns FlashMLA's shapes (out [b, s_q, h_q, 512], lse [b, h_q, s_q])."""
+    fmt = FP8_DS_MLA if fp8 else BF16_MLA
+    cache, _ = random_paged_cache(2, 4, fmt.row_width, fmt.cache_dtype)
+    q = torch.randn(b, s_q, 3, 576).to(torch.bfloat16).to(DEVICE)
+    for topk_length in (None, torch.ones(b, dtype=torch.int32, device=DEVICE)):
+        out, lse = flash_mla_with_kvcache(q, cache.unsqueeze(2), None, None, 512, get_mla_metadata()[0],
+                                          softmax_scale=0.07, is_fp8_kvcache=fp8,
+                                          indices=torch.zeros(b, s_q, 5, dtype=torch.int32, device=DEVICE),
+                                          topk_length=topk_length)
+        assert out.shape == (b, s_q, 3, 512) and out.dtype == torch.bfloat16
+        assert lse.shape == (b, 3, s_q) and lse.dtype == torch.float32
+
+
+def test_prefill_empty_batch():
+    out, max_logits, lse = flash_mla_sparse_fwd(
+        torch.randn(0, 3, 576).to(torch.bfloat16).to(DEVICE), torch.randn(8, 1, 576).to(torch.bfloat16).to(DEVICE),
+        torch.zeros(0, 1, 5, dtype=torch.int32, device=DEVICE), 0.07)
+    assert out.shape == (0, 3, 512) and max_logits.shape == lse.shape == (0, 3)
+
+
 def test_signatures_match_flashmla():
     """Argument names, order and defaults as FlashMLA's flash_mla_interface.py."""
     dec = inspect.signature(flashmla_compat.flash_mla_with_kvcache).parameters
