@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # same rule as tests/helpers.py
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # same rule as tests.helpers
 FIX_INTERPRETER = INTERPRET and os.environ.get("OPENMLA_NO_INTERP_FIX", "0") != "1"
 
 

@@ -11,134 +11,19 @@ padding rows (slot -1: never written, out 0), a non-default scale. Tolerances: b
 (fp8 caches too: the oracle reads the same quantized values); the fp8 cases also meet the fp8
 tolerance against the unquantized keys and values.
 """
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from openmla.kernels.reference import attention_varlen_ref, local_attention_ref, paged_attention_ref
 from openmla.mla import AttentionPlan, PagedAttentionImpl, build_attention_plan
-from openmla.quant.kv_cache import quantize_fp8_per_tensor
-from tests.helpers import DEVICE, assert_close, nan_filled, prefix_sharing_block_table
-
-SCALES = (0.027, 0.019)  # fp8 k_scale, v_scale: randn / 0.027 spans ~ +-150 of e4m3's +-448
-
-
-_quant = quantize_fp8_per_tensor
-
-
-def make_step(reqs, H, H_kv, D, bs, *, cache="bf16", pad=2, shared_blocks=0, kv5d=True,
-              hnd_memory=False, q_dtype=torch.bfloat16, seed=0):
-    """A step: requests (q_len, ctx_len) with their contexts written in NaN-filled paged caches.
-
-    Returns a dict: query [T+pad, H, D] (strided), key/value [T+pad, H_kv, D] (new tokens; padding
-    rows random), kv_cache (a [2, ...] strided view or a (k, v) tuple), the engine metadata
-    (query_start_loc, seq_lens, block_table, slot_mapping, qlens, seqs), the expected caches
-    after the write (want_k, want_v) and the unquantized full K/V per request (full_k, full_v)."""
-    g = torch.Generator().manual_seed(seed)
-    cdt = torch.float8_e4m3fn if cache == "fp8" else q_dtype
-    seqs = [q + c for q, c in reqs]
-    qlens = [q for q, _ in reqs]
-    nblk = [max(math.ceil(s / bs), shared_blocks) for s in seqs]
-    table, num_blocks = prefix_sharing_block_table(nblk, shared_blocks, 3, g)
-    if hnd_memory:  # vLLM's HND stride order: [2, blocks, H_kv, rows, D] seen as NHD
-        backing = nan_filled((2, num_blocks, H_kv, bs + 1, D), cdt)
-        logical = lambda x: x.permute(0, 1, 3, 2, 4)[:, :, :bs]  # noqa: E731
-    else:
-        backing = nan_filled((2, num_blocks, bs + 1, H_kv, D), cdt)
-        logical = lambda x: x[:, :, :bs]  # noqa: E731
-    view = logical(backing)
-    longest = max(seqs)
-    shared_kv = torch.randn(2, longest, H_kv, D, generator=g).to(q_dtype).float()
-    full_k, full_v, slots = [], [], []
-    want = view.clone()
-    store = (lambda x, i: _quant(x, SCALES[i])) if cache == "fp8" else (lambda x, i: x.to(cdt))
-    for r, (q_len, ctx) in enumerate(reqs):
-        s = seqs[r]
-        # Values the model dtype represents exactly: the writer sees the same numbers as torch.
-        kv = torch.randn(2, s, H_kv, D, generator=g).to(q_dtype).float()
-        in_shared = torch.arange(s) < shared_blocks * bs
-        kv[:, in_shared] = shared_kv[:, :s][:, in_shared]
-        p = torch.arange(s)
-        blk, off = table[r, p // bs].long(), p % bs
-        for i in range(2):
-            want[i, blk, off] = store(kv[i], i)
-            view[i, blk[:ctx], off[:ctx]] = store(kv[i, :ctx], i)  # the context is already cached
-        full_k.append(kv[0])
-        full_v.append(kv[1])
-        slots += (blk[ctx:] * bs + off[ctx:]).tolist()
-    T = sum(qlens)
-    new_k = torch.randn(T + pad, H_kv, D, generator=g)
-    new_v = torch.randn(T + pad, H_kv, D, generator=g)
-    t = 0
-    for r, (q_len, ctx) in enumerate(reqs):
-        new_k[t:t + q_len], new_v[t:t + q_len] = full_k[r][ctx:], full_v[r][ctx:]
-        t += q_len
-    wide = torch.randn(T + pad, H, D + 16, generator=g)
-    qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
-    dev = lambda x: x.to(DEVICE)  # noqa: E731
-    kv_cache = logical(dev(backing))
-    if not kv5d:
-        kv_cache = tuple(kv_cache.unbind(0))
-    return dict(
-        query=dev(wide.to(q_dtype))[:, :, 8:8 + D], key=dev(new_k.to(q_dtype)),
-        value=dev(new_v.to(q_dtype)), kv_cache=kv_cache,
-        query_start_loc=dev(qsl), seq_lens=dev(torch.tensor(seqs, dtype=torch.int32)),
-        block_table=dev(table), slot_mapping=dev(torch.tensor(slots + [-1] * pad, dtype=torch.int64)),
-        qlens=qlens, seqs=seqs, want_k=dev(want[0]), want_v=dev(want[1]), full_k=full_k,
-        full_v=full_v, cache=cache)
-
-
-def _caches_of(kv_cache):
-    return kv_cache.unbind(0) if isinstance(kv_cache, torch.Tensor) else kv_cache
-
-
-def _impl(H, D, H_kv, *, cache="bf16", window=None, softcap=None, alibi=False, sinks=False,
-          attn_type="decoder", seed=2):
-    g = torch.Generator().manual_seed(seed)
-    impl = PagedAttentionImpl(
-        H, D, 0.81 / math.sqrt(D), H_kv, sliding_window=window, softcap=softcap,
-        alibi_slopes=(torch.rand(H, generator=g) * 0.3 + 0.02).tolist() if alibi else None,
-        sinks=(torch.randn(H, generator=g) * 2).to(torch.bfloat16).to(DEVICE) if sinks else None,
-        kv_cache_dtype="fp8" if cache == "fp8" else "auto", attn_type=attn_type)
-    if cache == "fp8":
-        impl.set_kv_scales(*SCALES)
-    return impl
-
-
-def _oracle(impl, s, *, cache_k=None, cache_v=None, full=False):
-    """paged_attention_ref over the expected caches (or, full=True, over the unquantized keys and
-    values in a float32 copy of the same layout), with the layer's options."""
-    kc, vc = (s["want_k"], s["want_v"]) if cache_k is None else (cache_k, cache_v)
-    opts = dict(scale=impl.scale, window=impl.sliding_window, softcap=impl.softcap,
-                sinks=None if impl.sinks is None else impl.sinks.float(),
-                alibi_slopes=None if impl.alibi_slopes is None else impl.alibi_slopes.to(DEVICE))
-    if full:
-        kc = torch.full(kc.shape, float("nan"), device=DEVICE)
-        vc = torch.full(vc.shape, float("nan"), device=DEVICE)
-        bs = kc.shape[1]
-        for r, s_len in enumerate(s["seqs"]):
-            p = torch.arange(s_len, device=DEVICE)
-            blk, off = s["block_table"][r, p // bs].long(), p % bs
-            kc[blk, off], vc[blk, off] = s["full_k"][r].to(DEVICE), s["full_v"][r].to(DEVICE)
-        return paged_attention_ref(s["query"], kc, vc, s["block_table"], s["query_start_loc"],
-                                   s["seq_lens"], **opts)
-    scales = dict(k_scale=SCALES[0], v_scale=SCALES[1]) if s["cache"] == "fp8" else {}
-    return paged_attention_ref(s["query"], kc, vc, s["block_table"], s["query_start_loc"],
-                               s["seq_lens"], **opts, **scales)
-
-
-def _plan(impl, s, **kw):
-    return impl.build_plan(s["query_start_loc"], s["seq_lens"], s["block_table"],
-                           s["slot_mapping"], max_query_len=max(s["qlens"]),
-                           block_size=_caches_of(s["kv_cache"])[0].shape[1],
-                           query_lens_cpu=s["qlens"], seq_lens_cpu=s["seqs"], **kw)
+from tests.helpers import DEVICE, assert_close
+from tests.helpers.mha import MIXED, SCALES, caches_of, make_impl, make_step, step_oracle, step_plan
 
 
 def _check_cache_written(s, kv_cache):
     """Every byte of the caches' visible rows (untouched NaN rows included) as expected."""
-    for got, want in zip(_caches_of(kv_cache), (s["want_k"], s["want_v"])):
+    for got, want in zip(caches_of(kv_cache), (s["want_k"], s["want_v"])):
         bits = torch.uint8 if got.dtype == torch.float8_e4m3fn else torch.int16
         assert torch.equal(got.contiguous().view(bits).cpu(), want.contiguous().view(bits).cpu())
 
@@ -146,7 +31,6 @@ def _check_cache_written(s, kv_cache):
 # ---------------------------------------------------------------------------------------------
 # Forward over a mixed batch: decodes, speculative decodes (q_len 3), prefills
 # ---------------------------------------------------------------------------------------------
-MIXED = [(1, 39), (1, 8), (3, 27), (3, 14), (20, 0), (12, 33)]
 FORWARD = [  # (reqs, H, H_kv, D, bs, impl options, plan options, step options)
     pytest.param(MIXED, 8, 2, 64, 16, dict(window=16, softcap=30.0, sinks=True),
                  dict(decode_threshold=3), {}, id="bf16-GQA4-window16-softcap-sinks"),
@@ -167,17 +51,17 @@ FORWARD = [  # (reqs, H, H_kv, D, bs, impl options, plan options, step options)
 @pytest.mark.parametrize("reqs,H,H_kv,D,bs,iopts,popts,sopts", FORWARD)
 def test_forward_mixed_batch(reqs, H, H_kv, D, bs, iopts, popts, sopts):
     s = make_step(reqs, H, H_kv, D, bs, **sopts)
-    impl = _impl(H, D, H_kv, **iopts)
-    plan = _plan(impl, s, **popts)
+    impl = make_impl(H, D, H_kv, **iopts)
+    plan = step_plan(impl, s, **popts)
     T = s["query"].shape[0]
     assert plan.cascade is None and plan.num_tokens == T
     out = impl.forward(s["query"], s["key"], s["value"], s["kv_cache"], plan)
     assert out.shape == (T, H, D) and out.dtype == s["query"].dtype
     _check_cache_written(s, s["kv_cache"])
-    want, _ = _oracle(impl, s)
+    want, _ = step_oracle(impl, s)
     assert_close("out", out, want, "bf16")
     if s["cache"] == "fp8":  # the format's own error stays inside the fp8 tolerance
-        want_full, _ = _oracle(impl, s, full=True)
+        want_full, _ = step_oracle(impl, s, full=True)
         assert_close("out vs unquantized", out, want_full, "fp8")
     pad = T - sum(s["qlens"])
     assert torch.equal(out[T - pad:].float().cpu(), torch.zeros(pad, H, D))
@@ -187,28 +71,28 @@ def test_forward_into_output_and_uint8_fp8_storage():
     """vLLM keeps fp8 caches as uint8: they are viewed as e4m3fn. Output goes into the caller's
     strided buffer."""
     s = make_step(MIXED[:4], 8, 2, 32, 16, cache="fp8")
-    impl = _impl(8, 32, 2, cache="fp8", sinks=True)
-    plan = _plan(impl, s, decode_threshold=3)
+    impl = make_impl(8, 32, 2, cache="fp8", sinks=True)
+    plan = step_plan(impl, s, decode_threshold=3)
     T = s["query"].shape[0]
     buf = torch.full((T, 8, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     out = impl.forward(s["query"], s["key"], s["value"], s["kv_cache"].view(torch.uint8), plan,
                        buf[:, :, :32])
     assert out.data_ptr() == buf.data_ptr()
     _check_cache_written(s, s["kv_cache"])
-    assert_close("out", out, _oracle(impl, s)[0], "bf16")
+    assert_close("out", out, step_oracle(impl, s)[0], "bf16")
 
 
 def test_forward_without_key_skips_the_write():
     """key = value = None (a layer sharing another layer's cache): nothing is written; attention
     reads what is there (here: the expected caches, written beforehand)."""
     s = make_step(MIXED, 8, 2, 32, 16)
-    k, v = _caches_of(s["kv_cache"])
+    k, v = caches_of(s["kv_cache"])
     k.copy_(s["want_k"])
     v.copy_(s["want_v"])
-    impl = _impl(8, 32, 2, softcap=10.0)
-    out = impl.forward(s["query"], None, None, s["kv_cache"], _plan(impl, s, decode_threshold=3))
+    impl = make_impl(8, 32, 2, softcap=10.0)
+    out = impl.forward(s["query"], None, None, s["kv_cache"], step_plan(impl, s, decode_threshold=3))
     _check_cache_written(s, s["kv_cache"])
-    assert_close("out", out, _oracle(impl, s)[0], "bf16")
+    assert_close("out", out, step_oracle(impl, s)[0], "bf16")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,12 +103,12 @@ def test_forward_cascade_forced_and_rounded():
     and forward runs cascade; fp8 cache with sinks."""
     reqs = [(1, 50), (3, 40), (7, 33), (1, 61)]
     s = make_step(reqs, 8, 2, 32, 16, cache="fp8", shared_blocks=2)
-    impl = _impl(8, 32, 2, cache="fp8", sinks=True, softcap=25.0)
-    plan = _plan(impl, s, common_prefix_len=2 * 16 + 5, use_cascade=True)
+    impl = make_impl(8, 32, 2, cache="fp8", sinks=True, softcap=25.0)
+    plan = step_plan(impl, s, common_prefix_len=2 * 16 + 5, use_cascade=True)
     assert plan.use_cascade and plan.common_prefix_len == 32
     out = impl.forward(s["query"], s["key"], s["value"], s["kv_cache"], plan)
     _check_cache_written(s, s["kv_cache"])
-    assert_close("out", out, _oracle(impl, s)[0], "bf16")
+    assert_close("out", out, step_oracle(impl, s)[0], "bf16")
 
 
 def test_forward_cascade_by_heuristic():
@@ -232,11 +116,11 @@ def test_forward_cascade_by_heuristic():
     shortest context: vLLM's heuristic picks cascade; the result is plain attention's."""
     reqs = [(1, 270), (1, 300), (2, 259), (1, 281), (3, 290), (1, 256), (2, 262), (5, 275)]
     s = make_step(reqs, 4, 2, 32, 64, shared_blocks=4)
-    impl = _impl(4, 32, 2)
-    plan = _plan(impl, s, common_prefix_len=320)  # > shortest context 256: capped to 256
+    impl = make_impl(4, 32, 2)
+    plan = step_plan(impl, s, common_prefix_len=320)  # > shortest context 256: capped to 256
     assert plan.use_cascade and plan.common_prefix_len == 256
     out = impl.forward(s["query"], s["key"], s["value"], s["kv_cache"], plan)
-    assert_close("out", out, _oracle(impl, s)[0], "bf16")
+    assert_close("out", out, step_oracle(impl, s)[0], "bf16")
 
 
 def test_forward_local_attention():
@@ -244,8 +128,8 @@ def test_forward_local_attention():
     the result is chunk-masked attention."""
     reqs = [(1, 21), (3, 6), (13, 4), (6, 0)]
     s = make_step(reqs, 8, 4, 32, 4)
-    impl = _impl(8, 32, 4, sinks=True)
-    plan = _plan(impl, s, attn_chunk_size=8, decode_threshold=3)
+    impl = make_impl(8, 32, 4, sinks=True)
+    plan = step_plan(impl, s, attn_chunk_size=8, decode_threshold=3)
     assert plan.attn_chunk_size == 8 and plan.local.num_reqs == plan.num_reqs > len(reqs)
     out = impl.forward(s["query"], s["key"], s["value"], s["kv_cache"], plan)
     _check_cache_written(s, s["kv_cache"])
@@ -265,7 +149,7 @@ def test_decode_steps_in_cuda_graph(cache):
     ctxs = [700, 40, 129, 6, 1500]
     R = len(ctxs)
     s = make_step([(2, c) for c in ctxs], H, H_kv, D, bs, cache=cache, pad=0)
-    impl = _impl(H, D, H_kv, cache=cache, window=256, sinks=True)
+    impl = make_impl(H, D, H_kv, cache=cache, window=256, sinks=True)
     q_buf = torch.empty(R, H, D, dtype=torch.bfloat16, device=DEVICE)
     k_buf = torch.empty(R, H_kv, D, dtype=torch.bfloat16, device=DEVICE)
     v_buf = torch.empty_like(k_buf)
@@ -327,7 +211,7 @@ def test_encoder_attention(attn_type, iopts, want_window):
     k = torch.randn(T + pad, H_kv, D, generator=g).to(torch.bfloat16).to(DEVICE)
     v = torch.randn(T + pad, H_kv, D, generator=g).to(torch.bfloat16).to(DEVICE)
     cu = torch.tensor([0] + qlens).cumsum(0).to(torch.int32).to(DEVICE)
-    impl = _impl(H, D, H_kv, attn_type=attn_type, **iopts)
+    impl = make_impl(H, D, H_kv, attn_type=attn_type, **iopts)
     assert impl.sliding_window == want_window
     plan = build_attention_plan(cu, cu[1:].clone(), torch.zeros(3, 0, dtype=torch.int32, device=DEVICE),
                                 torch.full((T + pad,), -1, dtype=torch.int32, device=DEVICE),
@@ -437,13 +321,13 @@ def test_plan_errors(kw, exc, match):
 
 def test_plan_reuse_mismatch_raises():
     s = make_step(MIXED[:3], 8, 2, 32, 16)
-    impl = _impl(8, 32, 2)
-    plan = _plan(impl, s)
+    impl = make_impl(8, 32, 2)
+    plan = step_plan(impl, s)
     assert isinstance(plan, AttentionPlan)
-    k, v = _caches_of(s["kv_cache"])
+    k, v = caches_of(s["kv_cache"])
     with pytest.raises(ValueError, match="the plan's num_tokens"):
         impl.forward(s["query"][:-1], s["key"], s["value"], s["kv_cache"], plan)
-    other = _impl(4, 32, 2)
+    other = make_impl(4, 32, 2)
     with pytest.raises(ValueError, match="the plan's num_heads"):
         other.forward(s["query"][:, :4], s["key"], s["value"], s["kv_cache"], plan)
     with pytest.raises(ValueError, match="the plan's block_size"):
@@ -475,6 +359,6 @@ def test_impl_rejects(kw, exc, match):
 
 def test_forward_rejects_wrong_cache_dtype():
     s = make_step(MIXED[:2], 8, 2, 32, 16)  # bf16 caches
-    impl = _impl(8, 32, 2, cache="fp8")
+    impl = make_impl(8, 32, 2, cache="fp8")
     with pytest.raises(ValueError, match="k_cache.dtype"):
-        impl.forward(s["query"], s["key"], s["value"], s["kv_cache"], _plan(impl, s))
+        impl.forward(s["query"], s["key"], s["value"], s["kv_cache"], step_plan(impl, s))

@@ -1,6 +1,6 @@
 """mla.mha.impl.PagedAttentionImpl with int8 caches (issue 8): kv_cache_dtype "int8_qkv" / "int8_qk".
 
-A step (tests/test_mha_impl.make_step: contexts already cached, new tokens written by forward,
+A step (tests.helpers.mha.make_step: contexts already cached, new tokens written by forward,
 shuffled block tables, padding slots -1, strided q) runs over int8 caches built by the torch
 quantizers of quant/int8.py: the cache after forward must equal, byte for byte, the cache the
 torch references give for every row (unwritten rows keep their poison: int8 -128, NaN scales),
@@ -16,7 +16,7 @@ from openmla.mla import PagedAttentionImpl
 from openmla.quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
                         quantize_per_token_head_ref, save_v_scales)
 from tests.helpers import DEVICE, assert_close
-from tests.mla.test_mha_impl import _plan, make_step
+from tests.helpers.mha import make_step, step_plan
 
 POISON = -128
 
@@ -71,7 +71,7 @@ def check_step(mode, reqs, H, H_kv, D, bs, opts, *, smooth=False):
         k_smooth = calibrate_k_smooth(torch.cat(s["full_k"]).to(DEVICE), s["query"])
         impl.set_k_smooth(k_smooth)
     kc, vc, ksc = _int8_caches(s, mode, v_scale, all_rows=False, k_smooth=k_smooth)
-    plan = _plan(impl, s)
+    plan = step_plan(impl, s)
     out = impl.forward(s["query"], s["key"], s["value"], (kc, vc, ksc), plan)
     want_k, want_v, want_ksc = _int8_caches(s, mode, v_scale, all_rows=True, k_smooth=k_smooth)
     assert torch.equal(kc, want_k), "k_cache bytes"
@@ -103,7 +103,7 @@ def test_v_scale_from_file_and_errors(tmp_path):
     impl = PagedAttentionImpl(H, D, 0.1, H_kv, kv_cache_dtype="int8_qkv")
     s = make_step([(2, 20)], H, H_kv, D, 16, kv5d=False)
     kc, vc, ksc = _int8_caches(s, "int8_qk", None, all_rows=False)
-    plan = _plan(impl, s)
+    plan = step_plan(impl, s)
     with pytest.raises(ValueError, match="v_scale"):  # int8_qkv before any V scale is set
         impl.forward(s["query"], s["key"], s["value"], (kc, kc.clone(), ksc), plan)
     scale = calibrate_v_scale(torch.randn(50, H_kv, D) * 3)

@@ -7,7 +7,7 @@ import torch
 from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
 from openmla.quant.mla_writer import write_mla_cache
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, random_paged_cache
-from tests.quant.test_mla_formats import near_pow2_amax, outlier_channels
+from tests.helpers.quant import near_pow2_amax, outlier_channels
 
 
 def pack_oracle(fmt, kv_c, k_pe):

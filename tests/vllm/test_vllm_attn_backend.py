@@ -24,8 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.vllm.test_vllm_backend import (common_metadata, import_vllm, registered_in_fresh_process,
-                                     vllm_config)
+from tests.helpers.vllm import common_metadata, import_vllm, registered_in_fresh_process, vllm_config
 
 vllm = import_vllm()
 
@@ -40,7 +39,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 import openmla.mla.vllm.attn as ab  # noqa: E402
 from openmla.kernels.reference import attention_varlen_ref  # noqa: E402
 from tests.helpers import DEVICE, assert_close  # noqa: E402
-from tests.mla.test_mha_impl import MIXED, SCALES, _caches_of, _impl, _oracle, make_step  # noqa: E402
+from tests.helpers.mha import MIXED, SCALES, caches_of, make_impl, make_step, step_oracle  # noqa: E402
 
 NHD, HND, INTERLEAVED = KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC
 
@@ -117,7 +116,7 @@ def test_build_and_forward(reqs, H, H_kv, D, bs, kv, q_dtype, layout, spec_token
     pad = 2
     s = make_step(reqs, H, H_kv, D, bs, cache="fp8" if fp8 else "bf16", pad=pad, q_dtype=q_dtype,
                   seed=H + bs)
-    k0, v0 = _caches_of(s["kv_cache"])  # the context, already cached; NaN elsewhere
+    k0, v0 = caches_of(s["kv_cache"])  # the context, already cached; NaN elsewhere
     spec, caches = vllm_layer_caches(k0, kv, layout)
     k, v = kv_views(caches[0], D, kv)
     k.copy_(k0)
@@ -141,7 +140,7 @@ def test_build_and_forward(reqs, H, H_kv, D, bs, kv, q_dtype, layout, spec_token
     assert (md.num_actual_tokens, md.max_query_len, md.causal) == (T, max(s["qlens"]), True)
 
     window, softcap = lopts.get("window"), lopts.get("softcap")
-    ref = _impl(H, D, H_kv, cache="fp8" if fp8 else "bf16", **lopts)
+    ref = make_impl(H, D, H_kv, cache="fp8" if fp8 else "bf16", **lopts)
     impl = vllm_impl(ref, kv, window=window, softcap=softcap)
     layer = fp8_layer() if fp8 else SimpleNamespace()
     output = torch.full((T, H, D), float("nan"), dtype=q_dtype, device=DEVICE)
@@ -150,9 +149,9 @@ def test_build_and_forward(reqs, H, H_kv, D, bs, kv, q_dtype, layout, spec_token
 
     assert torch.equal(bits(k), bits(s["want_k"])) and torch.equal(bits(v), bits(s["want_v"]))
     assert torch.equal(bits(caches[1]), other)  # the other layer's pages are untouched
-    assert_close("out", output, _oracle(ref, s)[0], "bf16")
+    assert_close("out", output, step_oracle(ref, s)[0], "bf16")
     if fp8:
-        assert_close("out vs unquantized", output, _oracle(ref, s, full=True)[0], "fp8")
+        assert_close("out vs unquantized", output, step_oracle(ref, s, full=True)[0], "fp8")
     assert torch.equal(output[T - pad:].float().cpu(), torch.zeros(pad, H, D))
 
 
@@ -170,13 +169,13 @@ def test_kv_sharing_layer_reads_without_writing():
                                                  vllm_config(H, "fp8", 128, 0), DEVICE)
     md = builder.build(0, common_metadata(s["query_start_loc"], s["seq_lens"], s["block_table"],
                                           s["slot_mapping"], s["qlens"], s["seqs"]))
-    ref = _impl(H, D, H_kv, cache="fp8", softcap=10.0)
+    ref = make_impl(H, D, H_kv, cache="fp8", softcap=10.0)
     impl = vllm_impl(ref, "fp8", softcap=10.0, kv_sharing="layers.0.attn")
     T = s["query"].shape[0]
     out = impl.forward(fp8_layer(), s["query"], s["key"] * 3, s["value"], caches[0], md,
                        torch.empty(T, H, D, dtype=torch.bfloat16, device=DEVICE))
     assert torch.equal(bits(caches[0]), before)
-    assert_close("out", out, _oracle(ref, s)[0], "bf16")
+    assert_close("out", out, step_oracle(ref, s)[0], "bf16")
 
 
 def test_encoder_only_layer():
@@ -198,7 +197,7 @@ def test_encoder_only_layer():
                          torch.full((T,), -1, dtype=torch.int64, device=DEVICE), qlens, qlens,
                          causal=False)
     md = builder.build(0, cm)
-    ref = _impl(H, D, H_kv, attn_type="encoder_only", window=5, sinks=True)
+    ref = make_impl(H, D, H_kv, attn_type="encoder_only", window=5, sinks=True)
     impl = vllm_impl(ref, "auto", window=5, attn_type=AttentionType.ENCODER_ONLY)
     out = impl.forward(SimpleNamespace(), q, k, v, torch.tensor([]), md,
                        torch.full((T, H, D), float("nan"), dtype=torch.bfloat16, device=DEVICE))
@@ -226,7 +225,7 @@ def test_decode_step_build_reads_no_device_tensor():
 
 
 def test_profiling_run_without_metadata_zeroes_output():
-    ref = _impl(4, 32, 2)
+    ref = make_impl(4, 32, 2)
     out = torch.full((5, 4, 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     vllm_impl(ref, "auto").forward(SimpleNamespace(), out.clone(), None, None, None, None, out)
     assert torch.count_nonzero(out) == 0

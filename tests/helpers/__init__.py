@@ -1,4 +1,11 @@
-"""Shared test helpers: one assert_close with one tolerance table, adversarial inputs (STYLE.md 12-13)."""
+"""Shared test helpers: one assert_close with one tolerance table, adversarial inputs (STYLE.md 12-13).
+
+Test files import helpers from here and never from another test file. This module holds what
+every layer uses; the layers' own builders live beside it: tests.helpers.quant (MLA latent
+inputs), tests.helpers.kernels (paged_attention batches), tests.helpers.sparse (SparseMLAImpl
+engine steps), tests.helpers.mha (PagedAttentionImpl engine steps), tests.helpers.vllm (vLLM
+test plumbing that imports vLLM only when called).
+"""
 from __future__ import annotations
 
 import math
@@ -250,7 +257,7 @@ def compile_gluon_sm90(module: str, name: str, const: dict, ptr_types: list, num
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run = subprocess.run([sys.executable, "-c", _COMPILE_SM90,
                           json.dumps([module, name, const, ptr_types, num_warps])],
                          capture_output=True, text=True, env=env, cwd=root)
