@@ -459,22 +459,33 @@ def load_v_scales(path: Union[str, os.PathLike], *, expect_shapes: Optional[Mapp
         device: where the returned tensors live.
     Returns:
         {layer name: [H_kv, D] fp32}, bit-identical to what was saved.
-    Raises ValueError: a layer that is not fp32, not 2-D, not positive finite, of another shape
-    than expected (naming the layer, the expected and the actual shape), or missing.
+    Raises ValueError: a path that is missing, a directory or not a readable safetensors file
+    (truncated, foreign bytes), naming the path; a layer that is not fp32, not 2-D, not positive
+    finite, of another shape than expected (naming the layer, the expected and the actual
+    shape), or missing.
     """
     from safetensors import safe_open
 
+    p = os.fspath(path)
+    want = "a safetensors file of V scales (save_v_scales)"
+    if os.path.isdir(p):
+        fail(p, want, "a directory")
+    if not os.path.exists(p):
+        fail(p, want, "no such file")
     out = {}
-    with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-        meta = f.metadata() or {}
-        if meta.get("format", _V_SCALES_FORMAT) != _V_SCALES_FORMAT:  # absent: a hand-made file, accepted
-            fail(f"{os.fspath(path)} metadata 'format'", repr(_V_SCALES_FORMAT), repr(meta.get("format")))
-        for name in f.keys():
-            out[name] = f.get_tensor(name)
+    try:
+        with safe_open(p, framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            for name in f.keys():
+                out[name] = f.get_tensor(name)
+    except Exception as e:  # safetensors' own error type (truncated, foreign bytes) or an OSError
+        fail(p, want, f"an unreadable file ({' '.join(str(e).split())[:200]})")
+    if meta.get("format", _V_SCALES_FORMAT) != _V_SCALES_FORMAT:  # absent: a hand-made file, accepted
+        fail(f"{p} metadata 'format'", repr(_V_SCALES_FORMAT), repr(meta.get("format")))
     if expect_shapes is not None:
         for name in expect_shapes:
             if name not in out:
-                fail(f"layer {name!r}", f"present in {os.fspath(path)}", f"missing (file has {sorted(out)})")
+                fail(f"layer {name!r}", f"present in {p}", f"missing (file has {sorted(out)})")
     for name, t in out.items():
         _check_scale_entry(name, t, expect_shapes)
     return {name: t.to(device) for name, t in out.items()}

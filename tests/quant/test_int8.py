@@ -2,6 +2,7 @@
 scale bits), the references follow DESIGN.md's rule (checked against hand-computed values), V scale
 calibration equals a plain loop / numpy.percentile, and V scale files round trip bit-exact and reject
 bad content with ValueError naming the layer."""
+import os
 import re
 
 import numpy as np
@@ -442,6 +443,36 @@ def test_load_rejects_bad_file(tmp_path, tensors, name):
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match="^" + re.escape(name)):
         load_v_scales(path)
+
+
+def _truncated(path):
+    save_v_scales(path, _layer_scales())
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+
+
+def _garbage(path):
+    path.write_bytes(bytes(range(256)) * 4)
+
+
+UNREADABLE = [  # what a user may point load_v_scales at by mistake
+    pytest.param(_truncated, "unreadable", id="truncated"),
+    pytest.param(_garbage, "unreadable", id="not-safetensors"),
+    pytest.param(lambda p: p.write_text('{"l0": [1, 2]}'), "unreadable", id="json-text"),
+    pytest.param(lambda p: p.write_bytes(b""), "unreadable", id="empty-file"),
+    pytest.param(lambda p: p.mkdir(), "a directory", id="folder"),
+    pytest.param(lambda p: None, "no such file", id="missing"),
+]
+
+
+@pytest.mark.parametrize("make, why", UNREADABLE)
+def test_load_unreadable_file_names_the_path(tmp_path, make, why):
+    path = tmp_path / "v_scales.safetensors"
+    make(path)
+    with pytest.raises(ValueError) as e:
+        load_v_scales(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: expected a safetensors file of V scales") and why in msg, msg
 
 
 def test_load_rejects_foreign_format(tmp_path):
