@@ -1,0 +1,117 @@
+"""Kernel launches at the lowest host cost Triton allows.
+
+`kernel[grid](*args, **constexprs)` binds and specializes every argument in Python on every call
+(tens of microseconds for a kernel with twenty arguments) before it reaches the compiled
+launcher. A decode step calls the same kernels with the same shapes thousands of times, so
+`FastLaunch` keeps, per call signature, the compiled kernel and the order of its parameters, and
+from then on calls the compiled launcher directly.
+
+The call signature is the key: each tensor's dtype and whether its address is 16-byte aligned,
+each int's exact value, each other argument's type, the keyword arguments (constexprs and launch
+options), and the device. Triton specializes a kernel on tensor alignment and on int values
+(== 1, divisibility by 16, width), so two calls with equal keys need the same compiled kernel;
+keying on the exact int values is stricter than Triton, never looser. The first call of a key goes
+through Triton's own path (compile, autotune) and records what it launched.
+
+Not cached (each call goes through Triton's path): the interpreter, autotuned kernels whose chosen
+config has pre/post hooks, and launches while a launch hook is installed (profilers).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton import knobs
+
+__all__ = ["FastLaunch"]
+
+_MAX_ENTRIES = 4096
+
+
+def _call_key(args) -> tuple:
+    key = []
+    for a in args:
+        t = type(a)
+        if t is int:
+            key.append(a)
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif t is bool or a is None:
+            key.append((t, a))
+        else:
+            key.append(t)
+    return tuple(key)
+
+
+def _hooked() -> bool:
+    """A launch hook is installed (Triton 3.6 keeps an always-present, usually empty chain)."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+# The current CUDA stream's handle, as Triton's own launcher reads it (torch.cuda.current_stream()
+# builds a Python Stream object per call).
+_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+
+
+class FastLaunch:
+    """`FastLaunch(kernel)(grid, *args, **kwargs)` launches like `kernel[grid](*args, **kwargs)`.
+
+    `kernel` is a `@triton.jit` / Gluon kernel or a `triton.autotune` wrapper of one; `grid` a
+    tuple of 1 to 3 ints. Positional `args` are the kernel's leading parameters; constexprs and
+    launch options (num_warps, ...) go in `kwargs`, as with `kernel[grid]`."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        fn = kernel
+        while not hasattr(fn, "arg_names"):  # autotune / heuristics wrappers
+            fn = fn.fn
+        self._names = fn.arg_names
+        self._cache: dict = {}
+
+    def __call__(self, grid, *args, **kwargs):
+        if knobs.runtime.interpret or _hooked():
+            self.kernel[grid](*args, **kwargs)
+            return
+        device = torch.cuda.current_device()
+        key = (device, _call_key(args), tuple(kwargs.items()))
+        try:
+            hit = self._cache.get(key)
+        except TypeError:  # an unhashable keyword value: Triton's path
+            self.kernel[grid](*args, **kwargs)
+            return
+        if hit is None:
+            self._first_launch(key, grid, args, kwargs)
+            return
+        compiled, fill = hit
+        full = list(args)
+        full.extend(fill)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = _raw_stream(device)
+        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *full)
+
+    def _first_launch(self, key, grid, args, kwargs):
+        compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        if hasattr(self.kernel, "configs"):  # triton.autotune: the config it chose
+            config = getattr(self.kernel, "best_config", None)
+            if config is None or config.pre_hook is not None or getattr(config, "post_hook", None):
+                return
+            kwargs = {**kwargs, **config.kwargs}
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        # the parameters after the positional ones, in signature order: constexprs and any
+        # argument passed by keyword (every parameter has a value: Triton has just bound them)
+        constants = compiled.src.constants
+        fill = []
+        for i, name in enumerate(self._names[len(args):], start=len(args)):
+            if name in kwargs:
+                fill.append(kwargs[name])
+            elif (i,) in constants:
+                fill.append(constants[(i,)])
+            else:
+                return  # a default the kernel's signature supplies: leave it to Triton's path
+        compiled._init_handles()
+        if len(self._cache) >= _MAX_ENTRIES:  # shapes that never repeat: start over
+            self._cache.clear()
+        self._cache[key] = (compiled, tuple(fill))

@@ -1,0 +1,79 @@
+"""kernels.launch.FastLaunch: the cached launch computes what `kernel[grid]` computes, and a new
+specialization (alignment, an int of 1, another dtype, other constexprs) gets its own entry.
+
+On the CPU (interpreter) FastLaunch takes Triton's own path every time: the results are checked
+there too, the cache only on a GPU."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from openmla.kernels.launch import FastLaunch
+from tests.helpers import DEVICE
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK: tl.constexpr, NEG: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(x_ptr + o * stride, mask=m)
+    y = tl.load(y_ptr + o, mask=m)
+    r = alpha * x.to(tl.float32) + y.to(tl.float32)
+    if NEG:
+        r = -r
+    tl.store(out_ptr + o, r.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})], key=["n"])
+@triton.jit
+def _axpy_tuned_kernel(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK: tl.constexpr, NEG: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(x_ptr + o * stride, mask=m)
+    y = tl.load(y_ptr + o, mask=m)
+    r = alpha * x.to(tl.float32) + y.to(tl.float32)
+    if NEG:
+        r = -r
+    tl.store(out_ptr + o, r.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _want(x, y, alpha, neg):
+    r = alpha * x.float() + y.float()
+    return (-r if neg else r).to(y.dtype)
+
+
+CASES = [  # (dtype, n, offset of x in its buffer (elements), stride of x, NEG)
+    pytest.param(torch.float32, 100, 0, 1, False, id="f32-n100"),
+    pytest.param(torch.float32, 100, 1, 1, False, id="f32-n100-misaligned"),
+    pytest.param(torch.float32, 1, 0, 1, False, id="f32-n1"),
+    pytest.param(torch.float32, 64, 0, 3, True, id="f32-n64-stride3-neg"),
+    pytest.param(torch.bfloat16, 100, 0, 1, False, id="bf16-n100"),
+]
+
+
+@pytest.mark.parametrize("tuned", [False, True], ids=["jit", "autotune"])
+def test_fast_launch_matches_and_specializes(tuned):
+    kernel = _axpy_tuned_kernel if tuned else _axpy_kernel
+    fast = FastLaunch(kernel)
+    g = torch.Generator().manual_seed(0)
+    keys_seen = 0
+    for rep in range(2):  # the second round hits the cache on a GPU
+        for case in CASES:
+            dtype, n, off, stride, neg = case.values
+            buf = torch.randn(off + n * stride + 1, generator=g).to(dtype).to(DEVICE)
+            x = buf[off:off + n * stride]
+            y = torch.randn(n, generator=g).to(dtype).to(DEVICE)
+            out = torch.full_like(y, float("nan"))
+            alpha = float(torch.rand((), generator=g)) + 0.5
+            kw = dict(NEG=neg) if tuned else dict(BLOCK=64, NEG=neg, num_warps=2)
+            grid = (triton.cdiv(n, 32),)
+            fast(grid, x, y, out, n, stride, alpha, **kw)
+            tol = 1e-6 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out, _want(x[::stride], y, alpha, neg), rtol=tol, atol=tol)
+        if DEVICE == "cuda":
+            if rep == 0:
+                keys_seen = len(fast._cache)
+                # one entry per distinct specialization: 5 cases, all different
+                assert keys_seen == len(CASES)
+            else:
+                assert len(fast._cache) == keys_seen  # the second round only hit the cache
