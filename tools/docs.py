@@ -11,9 +11,15 @@ Every JSON file under docs/bench/ (written by `tools/bench.py --out`) and docs/a
     ...                                  (device, date and command, then the tables)
     <!-- /generated -->
 
+A marker may name ops of its run, `<!-- generated:bench/NAME#OP1,OP2 -->`: its section holds the
+same header (device, date, git revision, command) and only those ops' tables. docs/benchmarks.md
+opens with such sections, one current table per op, each from the newest run that measured it.
+
 Only the text between the markers is rewritten; everything around them (headings, commentary)
 is kept as written. A JSON file with no section yet gets one appended at the end of its document,
-under a heading naming the device and date; a section whose JSON file is gone is an error.
+under a heading naming the device and date (a run counts as having a section when any marker,
+with or without ops, names it); a section whose JSON file is gone, or that names an op its run
+did not measure, is an error.
 A missing docs/accuracy.md is created with a short introduction.
 """
 from __future__ import annotations
@@ -24,8 +30,9 @@ import os
 import re
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MARKER = re.compile(r"<!-- generated:(?P<name>[\w./-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the checkout, also through tools/dev_path.sh links
+MARKER = re.compile(r"<!-- generated:(?P<name>[\w./-]+)(?:#(?P<ops>\w+(?:,\w+)*))? -->\n(?P<body>.*?)"
+                    r"<!-- /generated -->", re.S)
 
 ACCURACY_INTRO = """# Accuracy of the cache formats
 
@@ -54,7 +61,7 @@ def render(doc_text: str, kind: str, json_dir: str, report) -> tuple[str, list[s
     seen = set()
 
     def fill(m: re.Match) -> str:
-        name = m["name"]
+        name, ops = m["name"], m["ops"]
         if not name.startswith(kind + "/"):
             problems.append(f"marker generated:{name}: expected a name under {kind}/")
             return m[0]
@@ -65,7 +72,16 @@ def render(doc_text: str, kind: str, json_dir: str, report) -> tuple[str, list[s
             problems.append(f"marker generated:{name}: {os.path.relpath(path, ROOT)} does not exist")
             return m[0]
         with open(path) as f:
-            return _section(name, report(json.load(f)))
+            result = json.load(f)
+        if ops is None:
+            return _section(name, report(result))
+        cases = [c for c in result.get("cases", []) if c.get("op") in ops.split(",")]
+        missing = sorted(set(ops.split(",")) - {c["op"] for c in cases})
+        if missing:
+            problems.append(f"marker generated:{name}#{ops}: {os.path.relpath(path, ROOT)} has no cases of "
+                            f"{', '.join(missing)}")
+            return m[0]
+        return _section(f"{name}#{ops}", report({**result, "cases": cases}))
 
     text = MARKER.sub(fill, doc_text)
     for stem in files:
