@@ -531,6 +531,24 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if GPU else "cpu"
 
 
+def usage_error(msg: str):
+    """One line on stderr and exit status 2 (bad arguments)."""
+    print(f"sweep.py: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_writable(opt: str, path: str) -> None:
+    """usage_error unless path names a file that can be written: not a folder, in an existing
+    folder that this process may write to (and, if the file exists, that may be overwritten)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        usage_error(f"{opt} {path}: is a folder, expected a file name")
+    if not os.path.isdir(folder):
+        usage_error(f"{opt} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        usage_error(f"{opt} {path}: not writable")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="the GPU grid (all head counts, topk up to 2048, "
@@ -542,16 +560,23 @@ def main(argv=None) -> int:
     ap.add_argument("--out", action="append", default=[], help="write FILE.json or FILE.csv (repeatable)")
     ap.add_argument("--plot", help="write a PNG (needs matplotlib: the 'plot' extra)")
     args = ap.parse_args(argv)
+    # Every argument is checked before the sweep runs (minutes on a GPU), so a typo costs nothing.
     for o in args.out:
         if not o.endswith((".json", ".csv")):
-            ap.error(f"--out: expected a .json or .csv file name, got {o!r}")
+            usage_error(f"--out: expected a .json or .csv file name, got {o!r}")
+        check_writable("--out", o)
     if args.plot:
-        need_matplotlib()  # fail before the sweep, not after
+        check_writable("--plot", args.plot)
+        need_matplotlib()
     names = {f.name for f in FORMATS}
     for n in args.formats or []:
         if n not in names:
-            ap.error(f"--formats: expected names from {sorted(names)}, got {n!r}")
+            usage_error(f"--formats: expected names from {sorted(names)}, got {n!r}")
     formats = [f for f in FORMATS if f.family in args.family and (not args.formats or f.name in args.formats)]
+    if not formats:
+        have = {fam: sorted(f.name for f in FORMATS if f.family == fam) for fam in args.family}
+        usage_error(f"--formats {' '.join(args.formats)}: no such format in --family "
+                    f"{' '.join(args.family)} (it has {have}): nothing to sweep")
     grid_name = "full" if args.full else "default"
     grid = {fam: GRIDS[grid_name][fam] for fam in args.family}
     if args.full and not GPU:

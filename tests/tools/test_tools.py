@@ -267,6 +267,48 @@ def test_sweep_rejects_bad_arguments(args, capsys):
     assert e.value.code == 2
 
 
+def _sweep_refuses(monkeypatch, capsys, args):
+    """sweep.main(args) exits 2 with one line on stderr before any measurement; returns the line."""
+    def never(*a, **k):
+        raise AssertionError("the sweep ran before its arguments were checked")
+    monkeypatch.setattr(sweep, "run", never)
+    with pytest.raises(SystemExit) as e:
+        sweep.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("sweep.py: error: "), err
+    return err[0]
+
+
+def test_sweep_checks_out_before_running(tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "no-such-folder" / "sweep.json"
+    line = _sweep_refuses(monkeypatch, capsys, ["--family", "mha", "--out", str(missing)])
+    assert f"folder {missing.parent} does not exist" in line
+    folder = tmp_path / "sweep.csv"
+    folder.mkdir()
+    line = _sweep_refuses(monkeypatch, capsys, ["--family", "mha", "--out", str(folder)])
+    assert "is a folder" in line
+    line = _sweep_refuses(monkeypatch, capsys, ["--out", str(tmp_path / "x.txt")])
+    assert "expected a .json or .csv file name" in line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only folder, so there is "
+                    "no unwritable folder to point --out at")
+def test_sweep_checks_out_is_writable(tmp_path, monkeypatch, capsys):
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        line = _sweep_refuses(monkeypatch, capsys, ["--family", "mha", "--out", str(ro / "sweep.json")])
+    finally:
+        ro.chmod(0o700)
+    assert "not writable" in line
+
+
+def test_sweep_empty_selection_is_an_error(monkeypatch, capsys):
+    line = _sweep_refuses(monkeypatch, capsys, ["--family", "mla", "--formats", "fp8"])
+    assert "fp8" in line and "nothing to sweep" in line
+
+
 # ----------------------------------------------------------------------------------------------
 # bench
 def test_bench_small_prints_its_numbers(tmp_path, capsys):
