@@ -21,10 +21,18 @@ FP8_E4M3_MAX = 448.0
 _SCALE_RULES = ("pow2", "raw")
 
 
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """A tensor of rows [..., width] has at least one dimension (a 0-D tensor has no last dim)."""
+    if t.dim() == 0:
+        fail(f"{name}.dim()", ">= 1 ([..., width])", "0 (a scalar)")
+
+
 def _check_pack_inputs(fmt, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
     """kv_c [..., latent_dim] and k_pe [..., rope_dim] in a float dtype, same leading shape."""
     check_tensor("kv_c", kv_c, dtype=(torch.bfloat16, torch.float16, torch.float32))
     check_tensor("k_pe", k_pe, dtype=(torch.bfloat16, torch.float16, torch.float32))
+    _check_rows("kv_c", kv_c)
+    _check_rows("k_pe", k_pe)
     if kv_c.shape[-1] != fmt.latent_dim:
         fail("kv_c.shape[-1]", fmt.latent_dim, kv_c.shape[-1])
     if k_pe.shape[-1] != fmt.rope_dim:
@@ -123,6 +131,7 @@ class FP8DSMLAFormat:
     def unpack_parts(self, cache: torch.Tensor):
         """[..., 656] uint8 -> (fp8 latent as fp32 [..., 512], scales fp32 [..., 4], rope bf16 [..., 64])."""
         check_tensor("cache", cache, dtype=torch.uint8)
+        _check_rows("cache", cache)
         if cache.shape[-1] != self.bytes_per_token:
             fail("cache.shape[-1]", self.bytes_per_token, cache.shape[-1])
         c = cache.contiguous()
@@ -171,6 +180,7 @@ class BF16MLAFormat:
     def unpack(self, cache: torch.Tensor) -> torch.Tensor:
         """[..., 576] bf16 -> [..., 576] fp32."""
         check_tensor("cache", cache, dtype=torch.bfloat16)
+        _check_rows("cache", cache)
         if cache.shape[-1] != self.head_dim:
             fail("cache.shape[-1]", self.head_dim, cache.shape[-1])
         return cache.float()

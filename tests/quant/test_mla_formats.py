@@ -280,6 +280,8 @@ BF = torch.bfloat16
                  id="token-count"),
     pytest.param(torch.zeros(3, 512, dtype=torch.int32), torch.zeros(3, 64, dtype=BF), r"kv_c\.dtype", id="kv_c-int"),
     pytest.param(torch.zeros(3, 512, dtype=BF), torch.zeros(3, 64, dtype=torch.float64), r"k_pe\.dtype", id="k_pe-fp64"),
+    pytest.param(torch.tensor(1.0), torch.zeros(64), r"kv_c\.dim\(\): expected >= 1", id="kv_c-0d"),
+    pytest.param(torch.zeros(512), torch.tensor(1.0), r"k_pe\.dim\(\): expected >= 1", id="k_pe-0d"),
 ])
 def test_pack_errors_name_the_tensor(fmt, kv_c, k_pe, match):
     with pytest.raises(ValueError, match=match):
@@ -292,6 +294,8 @@ def test_pack_errors_name_the_tensor(fmt, kv_c, k_pe, match):
     pytest.param(BF16_MLA, torch.zeros(2, 656, dtype=BF), r"cache\.shape\[-1\]: expected 576", id="bf16-width"),
     pytest.param(BF16_MLA, torch.zeros(2, 576, dtype=torch.uint8), r"cache\.dtype: expected torch\.bfloat16",
                  id="bf16-dtype"),
+    pytest.param(FP8_DS_MLA, torch.tensor(7, dtype=torch.uint8), r"cache\.dim\(\): expected >= 1", id="fp8-0d"),
+    pytest.param(BF16_MLA, torch.tensor(7.0, dtype=BF), r"cache\.dim\(\): expected >= 1", id="bf16-0d"),
 ])
 def test_unpack_errors_name_the_tensor(fmt, cache, match):
     with pytest.raises(ValueError, match=match):
