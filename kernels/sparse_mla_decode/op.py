@@ -44,7 +44,7 @@ MAX_HEADS = 128
 
 # No @triton.autotune here: autotuning benchmarks on the first call, which cannot happen inside
 # CUDA-graph capture, and the best block shape is tied to the split count chosen on the host.
-# Configs are picked by `_pick_config` from a table measured on an H200 (scratch/decode/NOTES.md).
+# `_pick_config` picks configs from a table tuned on Hopper (docs/notes/sparse_mla_decode.md).
 
 
 @triton.jit
@@ -278,7 +278,7 @@ def _interpreting() -> bool:
 
 
 def _pick_config(H: int) -> dict:
-    """Block shape per head-count bucket, measured on an H200 (scratch/decode/NOTES.md).
+    """Block shape per head-count bucket (the sweep that chose it: docs/notes/sparse_mla_decode.md).
 
     occupancy: programs of this config resident per SM (registers and shared memory), used to
     size the split count. H <= 16: 168 registers x 128 threads and 72 KB shared -> 3 per SM.
@@ -303,17 +303,16 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
 
     Programs all run the same number of key blocks, so the GPU works in rounds of
     occupancy x SMs programs: a count just under a multiple of that round keeps every slot busy,
-    one just over leaves a nearly empty last round (measured: T=32, H=32 took 0.074 ms with 4
-    splits, 0.10 ms with 6). Take the largest split count up to WAVES rounds whose rounds are
+    one just over leaves a nearly empty last round that takes as long as a full one. Take the
+    largest split count up to WAVES rounds whose rounds are
     at least MIN_FILL full, with at least MIN_STEPS key blocks per split; failing that, the
     fullest."""
     base = T * num_hb
     slots = cfg["occupancy"] * num_sms
     if cfg.get("one_round"):
-        # the Gluon kernel (one program per SM): fewer, longer splits within a single round
-        # measured faster than the two-round rule on the H200 (T=32, H=128: 2 splits 0.127 ms,
-        # 4 splits 0.142; T=128, H=128: 1 split 0.449, 2 splits 0.493; T=32, H=64: 4 splits
-        # 0.076, 2 splits 0.123): each split pays the q prologue and a partial row per head
+        # the Gluon kernel (one program per SM): fewer, longer splits within a single round, as
+        # each split pays the q prologue and a partial row for each of its 64 heads (the timings
+        # against the two-round rule: docs/notes/sparse_mla_decode.md)
         most = max(1, min(slots // base, topk // (cfg.get("min_steps", MIN_STEPS) * cfg["BLOCK_N"])))
     else:
         most = max(1, min(triton.cdiv(WAVES * slots, base), topk // (MIN_STEPS * cfg["BLOCK_N"])))

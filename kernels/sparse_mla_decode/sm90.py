@@ -15,11 +15,8 @@ cannot be told (see kernels/sparse_mla_prefill/sm90.py for the same change in pr
   once, a 128-wide tile at a time, into one swizzled buffer both dots read.
 8 warps, ~220 KB shared memory: one program per SM (the split rule's occupancy 1).
 
-Measured on an H200 (2026-11-22, scratch/gl/run.py, CUDA-graph median, 262144-slot cache, topk
-2048): H64 0.182 / 0.060 ms and H128 0.355 / 0.101 ms at T = 128 / 32 (per-tile R and five
-cross-warp reductions a step before: 0.230 / 0.076 and 0.447 / 0.127); the Triton kernel measured
-0.409 / 0.116 and 0.754 / 0.214. FlashMLA: 0.117 / 0.051 and 0.187 / 0.067.
-Where a step's time goes: docs/notes/sparse_mla_decode.md.
+Timings: docs/benchmarks.md; where a step's time goes and the variants tried:
+docs/notes/sparse_mla_decode.md.
 """
 from __future__ import annotations
 
@@ -38,7 +35,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
 
 BLOCK_H = 64
-BLOCK_N = 64  # rows per step: 32 measured 0.70 / 0.19 ms at H128 T = 128 / 32 (H200, 2026-11-22)
+BLOCK_N = 64  # rows per step: 32 would halve each warpgroup's score wgmma (m64n16) and was slower
 NUM_WARPS = 8
 OCCUPANCY = 1  # programs per SM, for the split rule
 
@@ -219,8 +216,8 @@ if _GLUON:
             b_sc = gl.where(m_n[None, :], b_sc, float("-inf"))
 
             # the block's score max per head and its largest scale (R, one power of two for all four
-            # tiles, grows to cover it) in one cross-warp reduction: the former four per-tile scale
-            # reductions, each a shared-memory exchange, cost 0.447 against 0.355 ms at T128 H128
+            # tiles, grows to cover it) in one cross-warp reduction: each reduction is a
+            # shared-memory exchange and a barrier, hence one R for the four tiles, not one per tile
             m_blk, s_blk = gl.reduce((b_sc, gl.zeros_like(b_sc) + s_mx[None, :]), 1, _max2)
             r_new = gl.maximum(b_r, _pow2_at_least(s_blk + 1e-38))
             m_new = gl.maximum(b_m, m_blk)

@@ -21,22 +21,21 @@ Arithmetic (same contract as the Triton kernel; kernels/sparse_mla_decode/op.py)
   below 2^-24 of the largest scale so far), R a running power of two >= every scale seen;
   O^T is kept in units of R. P in fp16 (2^-11). A block with a scale that is not a power of two
   (raw-scale caches) takes V^T as an fp16 pair v + r and two value wgmmas: rounded once, V^T
-  gave rare elements errors up to 1.7e-3 where the tests allow 1e-3 (a wider sweep on the H200;
-  tests/kernels/test_sparse_mla_decode.py keeps those inputs); the check costs the power-of-two path
-  1.5-4 % (T128 H32 / H16).
+  can put rare elements past the tests' abs 1e-3 (test_raw_scales in
+  tests/kernels/test_sparse_mla_decode.py holds such inputs); power-of-two blocks keep the single
+  rounding, exact for them (above).
 Warp-specialised: a producer warpgroup (48 registers) gathers block i + 1 with 16-byte cp.async
-(256 / 128 / 16 contiguous bytes of a row per warp instruction; spread over 16 B per thread the
-same gather measured 1.5x slower) while the two consumer warpgroups compute block i; a stage is
-handed over with mbarriers (full: every producer thread's copies landed; empty: the consumers are
-done with it). Issued by the consumers themselves, the gathers stalled their compute (measured:
-compute-only 0.062 ms + gather-only 0.051 ms = 0.114 ms at T128 H16).
+(256 / 128 / 16 contiguous bytes of a row per warp instruction, the faster of the gather layouts
+tried) while the two consumer warpgroups compute block i; a stage is handed over with mbarriers
+(full: every producer thread's copies landed; empty: the consumers are done with it). The
+consumers do not issue gathers themselves: their compute would wait for the copies instead of
+overlapping them.
 Shared memory: two stages of 128 gathered rows (latent bytes 64 KB, bf16 rope 16 KB, scales 2 KB),
 q^T, P^T: ~190 KB (HN 16) / ~215 KB (HN 32); 8 + 4 warps, one program per SM; the consumers run
 at 240 registers and spill ~24 / ~160 bytes (HN 16 / 32; loop-invariant addresses).
 
-Measured on an H200 (2026-11-22, scratch/kn/run.py, CUDA-graph median, 262144-slot cache, topk
-2048): T128 H16 0.075 ms, H32 0.106; T32 H16 0.031, H32 0.044 (Triton kernel 0.136 / 0.229 /
-0.051 / 0.064; FlashMLA 0.117 / 0.117 / 0.051 / 0.051).
+Timings: docs/benchmarks.md; the measurements behind these choices and the variants tried:
+docs/notes/sparse_mla_decode.md.
 """
 from __future__ import annotations
 
@@ -277,8 +276,8 @@ if _GLUON:
             b_sc = gl.where(m_n[:, None], b_sc, float("-inf"))
 
             # online softmax over the keys (rows); R grows to cover this block's scales. The block's
-            # score max per head and its largest scale come out of one cross-warp reduction (two
-            # separate ones measured 0.119 / 0.103 ms against 0.104 / 0.073 at T128 H32 / H16)
+            # score max per head and its largest scale come out of one cross-warp reduction (each
+            # reduction is a shared-memory exchange and a barrier)
             sc_row = gl.convert_layout(gl.max(b_s4, 1), ROW_S)
             # the sign of the scale operand carries "some scale of the row is not a power of two"
             # (raw-scale caches), so the same reduction tells whether V^T needs an fp16 pair
@@ -384,9 +383,9 @@ if _GLUON:
                 b_inv = b_inv * _sink_factor(sink_ptr, o_h, m_h, b_lse)
         b_o = b_o * (b_inv * b_r)[None, :]
         # undo O^T's row permutation (see _value_a) in the register layout (free), then go through
-        # shared memory once so that each thread stores 16 contiguous bytes of one head's output:
-        # stored straight from the wgmma layout (4- or 2-byte scattered stores) the epilogue took
-        # 16 of the 62 us at T32 H32 (H200, 4 splits)
+        # shared memory once so that each thread stores 16 contiguous bytes of one head's output
+        # (straight from the wgmma layout, a warp's store would scatter 4- or 2-byte pieces over
+        # 32 sectors)
         b_o = b_o.reshape([2, 2, 2, 2, 2, 2, 2, 2, 2, HN]).permute((2, 3, 4, 6, 7, 8, 0, 1, 5, 9))
         b_o = b_o.reshape([D_LAT, HN])
         SPT: gl.constexpr = 4 if SPLIT else 8

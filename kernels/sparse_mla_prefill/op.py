@@ -13,7 +13,7 @@ scale). Per block of rows:
 - the rows are gathered once, as three tiles: latent[:256], latent[256:], rope. Three score dots
   (no padding of 576 to 640) and two value dots that reuse the two latent tiles as V. The halves
   also give each thread fewer distinct rows to address (Triton spreads a 512-wide tile over the
-  warps of a row; a 256-wide one fits one warp), which measured 15% faster at H = 16.
+  warps of a row; a 256-wide one fits one warp), and the loop is instruction-bound.
 - the loads are masked (an invalid index is never read) and software-pipelined (num_stages):
   the compiler turns them into asynchronous copies into shared memory, a block ahead. For 16- and
   32-head blocks the next block's indices are loaded one iteration early into registers
@@ -30,10 +30,8 @@ blocks (kernels/sparse_mla_prefill/sm90.py: score tile split over the two warpgr
 rows' gather issued a whole step ahead). This kernel serves everything else (other GPUs, the
 interpreter, OPENMLA_SM90_GLUON=0, unaligned rows).
 
-Measured on an H200, 2026-11-22 (tools/bench.py): 4096 tokens, 32768 rows, topk 2048: see
-docs/benchmarks.md (H = 16 / 32 with the keys-on-M kernel: 1.54 / 2.05 ms, this kernel 2.23 /
-3.21; H = 64 / 128 with the 64-head one: 3.10 / 6.11 ms, this kernel 4.94 / 9.42). FlashMLA:
-2.33 / 2.17 / 2.17 / 4.19. Notes and the variants tried: docs/notes/sparse_mla_prefill.md.
+Timings: docs/benchmarks.md; the measurements behind these choices and the variants tried:
+docs/notes/sparse_mla_prefill.md.
 """
 from __future__ import annotations
 
@@ -78,7 +76,7 @@ _CONFIGS = [
 
 def _smem_estimate(block_h: int, block_n: int, stages: int, prefetch: bool) -> int:
     """Shared memory of a config, at most: q (bf16, resident) plus the row buffers. Buffers Triton
-    3.6 allocated in sm_90 compiles (2026-11-22): with the index load in the loop max(stages - 2, 2)
+    3.6 allocates in sm_90 compiles: with the index load in the loop max(stages - 2, 2)
     (the index load and the consumer take a stage each); with prefetched indices stages - 1 under
     mma.sync and stages under wgmma (the value wgmma of block i-1 still reads its buffer while
     block i+1 is copied)."""
@@ -98,8 +96,8 @@ def _prune_configs(configs, named_args, **kwargs):
             if w != 8:
                 continue
             # Prefetching needs `stages` 72 KB buffers of 64 rows here: 64 x 3 does not fit, and
-            # 64 x 2 (4.91 ms at H = 64, 9.64 at 128) or 32 x 3/4 (6.0, 11.8) measured no better
-            # than the index load in the loop with 64 x 3 (4.95, 9.51) on the H200 (2026-11-22).
+            # what fits (64 x 2, 32 x 3/4) is no faster than the index load in the loop with 64 x 3
+            # (docs/notes/sparse_mla_prefill.md).
             if pf:
                 continue
             # With the index load in the loop, 32-row blocks at 3 stages get a single in-flight
@@ -107,14 +105,14 @@ def _prune_configs(configs, named_args, **kwargs):
             if bn == 32 and s < 5:
                 continue
         else:
-            # mma.sync tiles of 16/32 heads: 8 warps only split the 512 columns finer and ran
-            # 1.2-1.8x slower than 4 on the H200 (2026-11-22).
+            # mma.sync tiles of 16/32 heads: 8 warps only split the 512 columns finer and are
+            # slower than 4.
             if w != 4:
                 continue
             # Prefetched 32-row blocks at 3 stages (one block in flight, 93 / 113 KB: two
-            # programs per SM) measured fastest: 2.23 ms at H = 16, 3.21 at 32. More stages leave
-            # one program per SM (3.37 at H = 16, 4 stages), 16-row blocks cost more instructions
-            # per row (3.56), and the index load in the loop waits for every copy (2.51, 3.77).
+            # programs per SM, which the instruction-bound loop needs). More stages leave one
+            # program per SM, 16-row blocks cost more instructions per row, and the index load in
+            # the loop waits for every copy (timings: docs/notes/sparse_mla_prefill.md).
             if not pf or bn != 32 or s != 3:
                 continue
         if _smem_estimate(block_h, bn, s, pf) > _SMEM_BYTES - 8 * 1024:

@@ -4,18 +4,17 @@ Same maths and arguments as `sparse_mla_prefill_kernel` (kernels/sparse_mla_pref
 program owns one query token and 64 heads, 8 warps = two warpgroups. It exists because Triton
 3.6 lays the 64-head tile out badly and cannot be told otherwise:
 - Triton gives a dot whose result feeds another dot (S -> P -> P.V) the warps [8, 1], so with
-  64 heads (one wgmma M tile) both warpgroups computed the whole score tile: the q.k work, 53 %
-  of the FLOPs, twice. Here S is laid out [4, 2]: each warpgroup scores half of the rows
+  64 heads (one wgmma M tile) both warpgroups would compute the whole score tile: the q.k work,
+  53 % of the FLOPs, twice. Here S is laid out [4, 2]: each warpgroup scores half of the rows
   (m64n32 at 64 rows), the row max / sum cross the warpgroups through shared memory, and
   P is exchanged once for the value wgmma (each warpgroup owns 256 of the 512 output columns).
-- Triton's pipeliner issued the gather of the next rows after the value dot and waited for it
-  at the next step's top, so the gather latency was exposed. Here the copy of block i+1 is issued
+- Triton's pipeliner issues the gather of the next rows after the value dot and waits for it
+  at the next step's top, which exposes the gather latency. Here the copy of block i+1 is issued
   at the top of step i (two 72 KB row buffers, cp.async, zero-fill for masked rows) and the
   next block's indices are loaded a step ahead, so a whole step hides the gather.
 Shared memory: q 72 KB + 2 x 72 KB rows + P exchange ~ 220 KB (one program per SM).
 
-Measured on an H200 (2026-11-22, 4096 tokens, 32768 rows, topk 2048): 3.16 ms at H = 64 and
-6.48 ms at H = 128, against 4.94 / 9.38 ms for the Triton kernel in the same process.
+Timings: docs/benchmarks.md; against the Triton kernel: docs/notes/sparse_mla_prefill.md.
 
 Gluon runs on the GPU only (not in Triton's interpreter); `usable` says when to use it. The
 CPU suite compiles it for sm_90a (tests/kernels/test_sparse_mla_prefill.py); the GPU suite checks it
@@ -40,7 +39,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
 
 BLOCK_H = 64
-BLOCK_N = 64  # rows per step: 32 measured 4.31 / 8.41 ms (m64n16 score tiles per warpgroup)
+BLOCK_N = 64  # rows per step: 32 would halve each warpgroup's score tile (m64n16) and was slower
 NUM_WARPS = 8
 
 

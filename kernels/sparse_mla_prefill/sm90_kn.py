@@ -15,22 +15,19 @@ Warp-specialised, three partitions of one warpgroup each:
   or runs its softmax the other's wgmmas keep the tensor cores busy (ping-pong). At the end both
   leave (O^T, shift, row sum, max) in shared memory and the producer's warps merge them.
 Scores run as two accumulator chains (rope + latent[:256] and latent[256:]) of separately issued
-k16 wgmmas, alternating. Measured at H = 32: one wgmma op over the whole K (36 steps) 2.64 ms (and
-41 spilled values reloaded in one consumer's loop); two chains of k16 ops 2.30-2.32 interleaved,
-2.34 one after the other; chains issued as one op each, or four chains, spilled more (464-648 B)
-and ran slower (3.1-3.9 ms). So it is the spills that cost, not the chain's latency.
+k16 wgmmas, alternating: one wgmma op over the whole K, chains issued as one op each, or four
+chains make the consumers spill, and here the spills cost, not the chains' latency.
 Shared memory: q 36 KB (HN 32) + 2 stages x 72 KB + P^T 2 x 4 KB + merge ~ 190 KB: one program
 per SM. Registers: 232 per consumer (the accumulator O^T alone is 128 at HN 32), 40 for the
 producer; at HN 32 a few loop-invariant values spill (40 bytes, reloaded from L1).
 
 The producer loads block i + 1's row numbers while block i waits for its stage (issued after the
-wait, those loads sat on the critical path: a clock64 profile at H32 had the consumers idle 40 % of
-the time), and the consumers rescale O^T lazily (the shift moves only when a head's max rose by
+wait, those global loads would sit between a released stage and its refill, on the consumers'
+critical path), and the consumers rescale O^T lazily (the shift moves only when a head's max rose by
 more than 2^TAU; the exact max is kept for max_logits).
 
-Measured on an H200 (2026-11-22, tools/bench.py, 4096 tokens, 32768 rows, topk 2048): H16
-1.54 ms, H32 2.05 ms (FlashMLA 2.33 / 2.17; Triton kernel 2.23 / 3.21). Profile and the variants
-tried: docs/notes/sparse_mla_prefill.md (v5, v6).
+Timings: docs/benchmarks.md; the profile, the measurements behind these choices and the variants
+tried: docs/notes/sparse_mla_prefill.md.
 """
 from __future__ import annotations
 
