@@ -382,11 +382,10 @@ def calibrate_k_smooth(k_samples: Union[torch.Tensor, Iterable[torch.Tensor]],
     two (SmoothQuant's rule with alpha 1/2). `write_kv_cache(..., k_smooth=f)` and
     `paged_attention(..., k_smooth=f)` apply it.
 
-    It pays where outliers sit in fixed channels (outlier-channel data: 38-44% -> 0.8-1.9% relative
-    L2 of the attention output). Without them it can cost: on Student-t(3) data at 4k context the
-    H200 sweep measured 9.4% -> 15.7% (f follows each channel's sample maximum, and q * f lets a
-    few query channels set the query's scale); docs/accuracy.md. Compare with and without it on
-    the model's own keys (tools/sweep.py) before turning it on.
+    It pays where outliers sit in fixed channels. Without them it can cost: f follows each
+    channel's sample maximum, and q * f lets a few query channels set the query's scale, which
+    hurts heavy-tailed keys (docs/accuracy.md has the errors of both cases). Compare with and
+    without it on the model's own keys (tools/sweep.py) before turning it on.
 
     Args:
         k_samples: one tensor or an iterable [T_i, H_kv, D] of observed keys (finite values).

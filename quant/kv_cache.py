@@ -154,8 +154,8 @@ def _write_kv_cache_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
                        layout: str, k_scale_cache: Optional[torch.Tensor],
                        k_smooth: Optional[torch.Tensor]) -> None:
     # k_scale_cache has no default on purpose: torch 2.11 drops trailing default-valued
-    # arguments before its in-place bookkeeping indexes the mutated ones (IndexError on the
-    # H200's torch when it was `= None`).
+    # arguments before its in-place bookkeeping indexes the mutated ones (an IndexError with
+    # `= None`).
     _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache,
             k_smooth)
 
