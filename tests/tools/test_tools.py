@@ -1,5 +1,5 @@
 """The tools print what they computed, and a broken format, kernel or op shows (tools/sweep.py,
-tools/bench.py, tools/docs.py); plus the shared checker of tests/helpers.py.
+tools/bench.py, tools/docs.py); plus the shared checker of tests.helpers.
 
 The default paths run end to end: `sweep.main([])`'s grid on the CPU oracles (about 20 s on two
 cores), `bench.main(["--shapes", "small"])` (the interpreter without a GPU, natively with one).
@@ -422,7 +422,7 @@ def test_repository_docs_are_generated_from_their_json(capsys):
 
 
 # ----------------------------------------------------------------------------------------------
-# tests/helpers.py: the shared checker
+# tests.helpers: the shared checker
 @pytest.mark.parametrize("got, want, msg", [
     pytest.param([1.0, float("nan")], [1.0, 2.0], "NaN positions", id="nan-where-finite"),
     pytest.param([1.0, 2.0], [1.0, float("-inf")], "-inf positions", id="finite-where-neg-inf"),
