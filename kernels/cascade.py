@@ -29,7 +29,8 @@ import triton
 
 from openmla.kernels.device import num_sms
 from openmla.kernels.merge import merge_attn_states
-from openmla.kernels.paged_attention import SHORT_MAX_Q, SHORT_MAX_ROWS, paged_attention
+from openmla.kernels.paged_attention import paged_attention
+from openmla.kernels.paged_attention.launch import SHORT_MAX_Q, SHORT_MAX_ROWS
 from openmla.quant.validate import check_tensor, fail
 from openmla.quant.kv_cache import LAYOUTS, cache_dims
 

@@ -269,7 +269,7 @@ def _varlen_build(p, device):
 
 
 def _varlen_run(x):
-    from openmla.kernels.varlen_attention import varlen_attention
+    from openmla.kernels.paged_attention import varlen_attention
     return varlen_attention(x["q"], x["k"], x["v"], x["cu"], x["cu"], scale=x["scale"], causal=x["causal"],
                             max_query_len=x["L"], max_kv_len=x["L"])
 

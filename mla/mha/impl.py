@@ -30,8 +30,7 @@ from typing import Optional
 import torch
 
 from openmla.kernels.cascade import cascade_attention
-from openmla.kernels.paged_attention import paged_attention
-from openmla.kernels.varlen_attention import varlen_attention
+from openmla.kernels.paged_attention import paged_attention, varlen_attention
 from openmla.mla.mha.plan import (AttentionPlan, AttentionSubPlan, CascadePlan, _int_arg,
                                 build_attention_plan)
 from openmla.quant.validate import check_tensor, fail

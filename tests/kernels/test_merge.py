@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from openmla.kernels.merge import merge_attn_states
-from openmla.kernels.varlen_attention import varlen_attention
+from openmla.kernels.paged_attention import varlen_attention
 from openmla.kernels.reference import attention_varlen_ref, merge_attn_states_ref
 from tests.helpers import DEVICE, assert_close
 

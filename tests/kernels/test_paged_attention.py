@@ -14,8 +14,7 @@ import math
 import pytest
 import torch
 
-from openmla.kernels.paged_attention import paged_attention
-from openmla.kernels.varlen_attention import varlen_attention
+from openmla.kernels.paged_attention import paged_attention, varlen_attention
 from openmla.kernels.reference import attention_varlen_ref, paged_attention_ref
 from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, INTERPRET, assert_close, put_rows
 
@@ -211,7 +210,7 @@ TILES = [(16, 32, 4, 2, 0), (16, 128, 4, 3, 0), (32, 64, 4, 2, 0), (64, 32, 8, 2
 def test_every_tile_shape(tile, monkeypatch):
     """Autotuning may pick any config (the interpreter always takes the first): each tile shape
     must give the same answer on a mixed batch and on a split decode batch."""
-    import openmla.kernels.paged_attention as pa
+    import openmla.kernels.paged_attention.kernel as pa
     bm, bn, w, s, streams = tile
     cfg = pa._config(bm, bn, w, s, streams=streams)
     monkeypatch.setattr(pa.paged_attention_kernel, "configs", [cfg])  # one config: no tuning
@@ -379,7 +378,7 @@ VARLEN = [  # (q_lens, k_lens, H, H_kv, D, options)
 @pytest.mark.parametrize("q_lens,k_lens,H,H_kv,D,opts", VARLEN)
 def test_varlen(q_lens, k_lens, H, H_kv, D, opts, streams, monkeypatch):
     if streams:  # pin the key-stream layout (contiguous k / v rows instead of pages)
-        import openmla.kernels.paged_attention as pa
+        import openmla.kernels.paged_attention.kernel as pa
         monkeypatch.setattr(pa.paged_attention_kernel, "configs",
                             [pa._config(16, 64, streams, 3, streams=streams)])
     g = torch.Generator().manual_seed(2)

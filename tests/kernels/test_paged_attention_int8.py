@@ -251,7 +251,7 @@ def test_key_streams_match_oracle(mode, streams, bn, seqs, H, H_kv, D, bs, bopts
                                   monkeypatch):
     """One key stream per warp (the int8 decode configs' layout), with K smoothing: the same
     answers as the oracle."""
-    import openmla.kernels.paged_attention as pa
+    import openmla.kernels.paged_attention.kernel as pa
     cfg = pa._config(16, bn, streams, 3, streams=streams)
     monkeypatch.setattr(pa.paged_attention_kernel, "configs", [cfg])  # one config: no tuning
     seqs = [(q, _kv(kv)) for q, kv in seqs]

@@ -1,8 +1,9 @@
-"""Varlen attention over contiguous keys and values, no cache (encoder attention).
+"""`varlen_attention`: varlen attention over contiguous keys and values, no cache (encoder
+attention).
 
-The kernel is `kernels.paged_attention`'s with IS_PAGED off: request r's keys are rows
+The kernel is `paged_attention`'s (kernel.py) with IS_PAGED off: request r's keys are rows
 cu_seqlens_k[r]:cu_seqlens_k[r+1] of k and v; semantics (masks, softcap, ALiBi, sinks, lse) are
-that module's, bottom-right aligned with context_len = k_len - q_len. Oracle:
+`paged_attention`'s, bottom-right aligned with context_len = k_len - q_len. Oracle:
 `kernels.reference.attention_varlen_ref`.
 """
 from __future__ import annotations
@@ -11,8 +12,9 @@ from typing import Optional
 
 import torch
 
-from openmla.kernels.paged_attention import (check_attention_options, check_q_out, launch_attention,
-                                     query_len_bound)
+from openmla.kernels.paged_attention.checks import (check_q_out, check_score_options,
+                                                    query_len_bound)
+from openmla.kernels.paged_attention.launch import ScoreOptions, launch_varlen
 from openmla.quant.validate import check_same_device, check_tensor, fail
 
 
@@ -24,9 +26,10 @@ def _varlen_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          alibi_slopes: Optional[torch.Tensor], alibi_sqrt: bool,
                          sinks: Optional[torch.Tensor], max_query_len: int, max_kv_len: int
                          ) -> None:
-    launch_attention(q, k, v, None, cu_seqlens_q, cu_seqlens_k, out, lse, scale, causal,
-                     (window_left, window_right), softcap, alibi_slopes, alibi_sqrt, sinks, None,
-                     None, "NHD", max_query_len, max_kv_len, None, None, None)
+    opts = ScoreOptions(scale, causal, (window_left, window_right), softcap, alibi_slopes,
+                        alibi_sqrt, sinks)
+    launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, opts, max_q=max_query_len,
+                  max_kv=max_kv_len)
 
 
 @_varlen_attention_op.register_fake
@@ -71,14 +74,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if R < 0:
         fail("cu_seqlens_q.shape", "(R + 1,) with R >= 0", tuple(cu_seqlens_q.shape))
     check_tensor("cu_seqlens_k", cu_seqlens_k, dtype=torch.int32, shape=(R + 1,), contiguous=True)
-    scale, window, softcap = check_attention_options(q, H, scale, window, softcap, alibi_slopes,
-                                                     sinks)
+    opts = check_score_options(H, scale, causal, window, softcap, alibi_slopes, alibi_sqrt, sinks)
     check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       out=out, alibi_slopes=alibi_slopes, sinks=sinks)
     if T > 0:
         max_q = query_len_bound(max_query_len, cu_seqlens_q, T, R)
         max_kv = k.shape[0] if max_kv_len is None else int(max_kv_len)
-        _varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, bool(causal),
-                             window[0], window[1], softcap, alibi_slopes, bool(alibi_sqrt),
-                             sinks, max_q, max_kv)
+        _varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, opts.scale,
+                             opts.causal, opts.window[0], opts.window[1], opts.softcap,
+                             alibi_slopes, opts.alibi_sqrt, sinks, max_q, max_kv)
     return (out, lse) if return_lse else out
