@@ -326,7 +326,7 @@ def test_chosen_backend_unpickles_in_a_process_without_plugins():
     from vllm.config import AttentionConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    import openmla.mla.vllm.sparse as vb
+    import openmla.mla.vllm as vb
     vb.register()
     data = pickle.dumps([AttentionConfig(backend="OPENMLA_ATTN"),
                          AttentionBackendEnum.OPENMLA_SPARSE, AttentionBackendEnum.FLASH_ATTN])
