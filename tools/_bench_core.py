@@ -1,5 +1,6 @@
-"""The pieces of tools/bench.py that its op modules (tools/_bench_mla.py, tools/_bench_mha.py) need:
-the Case and Op records, the registry, and the relative error. bench.py re-exports all of them.
+"""The pieces of tools/bench.py that its op modules (tools/_bench_mla.py, tools/_bench_mha.py,
+tools/_bench_peer.py) need: the Case, Op and Peer records, the registry, and the relative error.
+bench.py re-exports all of them.
 
 Importing this module first also decides GPU or interpreter, before triton is imported anywhere.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -27,10 +28,36 @@ class Case:
     flops: float = 0.0
     bytes: float = 0.0
     # filled by the run
-    ms: float = float("nan")
+    ms: float = float("nan")  # CUDA-graph replay (kernel time)
+    eager_ms: float = float("nan")  # wall time per eager call (host overhead included)
     ref_ms: float = float("nan")
+    peer_ms: float = float("nan")  # FlashMLA, CUDA-graph replay, same tensors, same process
+    peer_eager_ms: float = float("nan")  # FlashMLA, wall time per eager call
     rel_err: float = float("nan")
     extra: dict = field(default_factory=dict)
+
+
+class NotMeasured(Exception):
+    """A peer cannot run this case (e.g. a cache format it does not read); the message says why."""
+
+
+@dataclass
+class Peer:
+    """How to run an op's FlashMLA counterpart on the op's own inputs (tools/_bench_peer.py).
+
+    prepare(x, flash_mla) -> px: the peer's inputs made from the case's tensors (views where the
+        layouts agree, q copied into a head-padded buffer where FlashMLA needs 64 or 128 heads),
+        outside the timing; raises NotMeasured when the peer cannot run the case.
+    call(px) -> the peer's raw outputs: the one call that is timed.
+    unpad(px, raw) -> (out, lse) in the op's layout and openmla's conventions, real heads only.
+    ours(x) -> (out, lse) of the openmla op on the same inputs, same layout.
+    """
+
+    name: str
+    prepare: Callable
+    call: Callable
+    unpad: Callable
+    ours: Callable
 
 
 @dataclass
@@ -48,6 +75,8 @@ class Op:
     # params -> True when the op's result does not depend on the Triton interpreter's numeric
     # defects (integer work, fp32 math, plain copies), so a CPU run can check it
     interpreter_exact: Callable = lambda p: False
+    # FlashMLA's counterpart, timed and compared beside the op when flash_mla is importable
+    peer: Optional[Peer] = None
 
 
 REGISTRY: dict[str, Op] = {}

@@ -76,6 +76,8 @@ register(Op(
         + [dict(batch=b, q_len=4, context=32768, **_PAGED) for b in (8, 32)]
         + [dict(batch=1, q_len=8192, context=8192, **_PAGED)],
         "decode": [dict(batch=b, q_len=1, context=32768, **_PAGED) for b in (1, 8, 32, 128)],
+        # paged MHA decode beside the sparse decode entry points' `host` set (tools/_bench_mla.py)
+        "host": [dict(batch=b, q_len=1, context=32768, **_PAGED) for b in (1, 32)],
         "small": [dict(batch=2, q_len=1, context=256, **_PAGED)],
     },
     build=_paged_build, run=_paged_run, torch_ref=_paged_torch, error=_paged_error, count=_paged_count,

@@ -1,5 +1,10 @@
-"""Sparse MLA entries of tools/bench.py: sparse_mla_decode, sparse_mla_prefill, the MLA cache writer
-(write_mla_cache) and gather (gather_upconvert), and convert_req_index_to_global.
+"""Sparse MLA entries of tools/bench.py: sparse_mla_decode, sparse_mla_prefill (both with FlashMLA
+beside them when it is importable), the same decode through the FlashMLA-compatible API
+(flashmla_compat_decode) and through SparseMLAImpl.forward (sparse_mla_impl_decode), the MLA cache
+writer (write_mla_cache) and gather (gather_upconvert), and convert_req_index_to_global.
+
+The `host` shape sets (batch 1 and 32, 16 and 128 heads) are the decode entry points whose eager
+time shows the host overhead of a call; tools/_bench_mha.py adds paged MHA decode to that set.
 
 Each entry registers itself on import (tools/bench.py imports this module); see bench.py for
 what a case measures and how it is checked.
@@ -11,6 +16,7 @@ from typing import Callable
 import torch
 
 from openmla.tools._bench_core import Op, register, rel_l2
+from openmla.tools._bench_peer import PREFILL_PEER, decode_peer
 from openmla.kernels import reference
 from openmla.quant import BF16_MLA, FP8_DS_MLA
 
@@ -90,16 +96,131 @@ _DECODE_STANDARD = [
     dict(cache=c, tokens=t, heads=h, topk=2048, slots=262144, block_size=64)
     for c in ("fp8", "bf16") for t in (128, 32) for h in (16, 32, 64, 128)
 ]
+# decode entry points at batch 1 and 32: the eager time is mostly host time there
+_DECODE_HOST = [dict(cache="fp8", tokens=t, heads=h, topk=2048, slots=262144, block_size=64)
+                for t in (1, 32) for h in (16, 128)]
+_DECODE_SMALL = [dict(cache="fp8", tokens=4, heads=16, topk=128, slots=4096, block_size=64)]
+_decode_label = lambda p: f"{p['cache']}-T{p['tokens']}-H{p['heads']}-topk{p['topk']}"  # noqa: E731
 register(Op(
     name="sparse_mla_decode",
     shape_sets={
         "standard": _DECODE_STANDARD,
         "fp8": [p for p in _DECODE_STANDARD if p["cache"] == "fp8"],
-        "small": [dict(cache="fp8", tokens=4, heads=16, topk=128, slots=4096, block_size=64)],
+        "host": _DECODE_HOST,
+        "small": _DECODE_SMALL,
     },
     build=_decode_build, run=_decode_run, torch_ref=_decode_torch, error=_decode_error,
-    count=_decode_count,
-    label=lambda p: f"{p['cache']}-T{p['tokens']}-H{p['heads']}-topk{p['topk']}",
+    count=_decode_count, label=_decode_label, peer=decode_peer(),
+))
+
+
+# --------------------------------------------------------------------------------------------
+# the same decode through mla.flashmla_compat.flash_mla_with_kvcache (FlashMLA's API and shapes)
+def _compat_build(p, device):
+    from openmla.mla.flashmla_compat import get_mla_metadata
+    x = _decode_build(p, device)
+    T, H, _ = x["q"].shape
+    x["compat"] = {"q": x["q"].view(T, 1, H, 576), "k_cache": x["cache"].unsqueeze(2),
+                   "indices": x["indices"].unsqueeze(1), "meta": get_mla_metadata()[0],
+                   "fp8": p["cache"] == "fp8"}
+    return x
+
+
+def _compat_call(x):
+    from openmla.mla.flashmla_compat import flash_mla_with_kvcache
+    c = x["compat"]
+    return flash_mla_with_kvcache(c["q"], c["k_cache"], None, None, 512, c["meta"], None, softmax_scale=x["scale"],
+                                  causal=False, is_fp8_kvcache=c["fp8"], indices=c["indices"])
+
+
+def _compat_run(x):
+    out, _ = _compat_call(x)
+    return out.view(x["q"].shape[0], x["q"].shape[1], 512)
+
+
+def _compat_ours(x):
+    """(out [T, H, 512], lse [T, H]) with openmla's -inf for an empty row (the API returns +inf)."""
+    out, lse = _compat_call(x)
+    lse = lse[:, :, 0]
+    return out[:, 0], lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+register(Op(
+    name="flashmla_compat_decode",
+    shape_sets={"standard": _DECODE_HOST, "host": _DECODE_HOST, "small": _DECODE_SMALL},
+    build=_compat_build, run=_compat_run, torch_ref=_decode_torch, error=_decode_error,
+    count=_decode_count, label=_decode_label, peer=decode_peer(ours=_compat_ours),
+))
+
+
+# --------------------------------------------------------------------------------------------
+# the same decode through SparseMLAImpl.forward (one layer: absorb q, convert the per-request
+# indices, decode, project out), a decode-only step whose plan is built once, outside the timing
+_NOPE, _V = 128, 128  # DeepSeek's qk_nope_head_dim and v_head_dim
+
+
+def _impl_build(p, device):
+    from openmla.mla.sparse.impl import SparseMLAImpl
+    T, H, slots, bs = p["tokens"], p["heads"], p["slots"], p["block_size"]
+    x = _decode_build(p, device)  # the cache and scale; the layer absorbs its own query
+    del x["q"], x["indices"]
+    seq = slots // T  # T requests, one query token each, over shuffled blocks of the whole cache
+    per_req = -(-seq // bs)
+    if T * per_req > slots // bs:
+        raise ValueError(f"sparse_mla_impl_decode: {T} requests of {seq} tokens do not fit {slots} slots")
+    g = torch.Generator(device=device).manual_seed(1)
+    table = torch.randperm(slots // bs, device=device, generator=g)[:T * per_req].view(T, per_req).to(torch.int32)
+    impl = SparseMLAImpl(H, x["scale"], "fp8_ds_mla" if p["cache"] == "fp8" else "bf16", max_model_len=seq,
+                         qk_nope_head_dim=_NOPE, v_head_dim=_V)
+    impl.load_kv_b_proj((torch.randn(H * (_NOPE + _V), 512, device=device, generator=g) * 512 ** -0.5).bfloat16())
+    last = seq - 1  # this step's token of each request is its last
+    plan = impl.build_plan(torch.arange(T + 1, device=device, dtype=torch.int32),
+                           torch.full((T,), seq, device=device, dtype=torch.int32), table,
+                           table[:, last // bs] * bs + last % bs, block_size=bs,
+                           query_lens_cpu=[1] * T, seq_lens_cpu=[seq] * T)
+    return {**x, "impl": impl, "plan": plan, "table": table,
+            "req_id": torch.arange(T, device=device, dtype=torch.int32),
+            "positions": random_topk_indices(T, seq, p["topk"], device),  # within each request
+            "q_nope": torch.randn(T, H, _NOPE, device=device, generator=g).bfloat16(),
+            "q_pe": torch.randn(T, H, 64, device=device, generator=g).bfloat16()}
+
+
+def _impl_run(x):
+    return x["impl"].forward(x["q_nope"], x["q_pe"], x["cache"], x["positions"], x["plan"])
+
+
+def _impl_torch(x):
+    """The layer in torch: bf16 absorption, gather + matmul attention, bf16 projection."""
+    w_uk, w_uv, bs = x["impl"].W_UK, x["impl"].W_UV, x["cache"].shape[1]
+    q = torch.cat([torch.bmm(x["q_nope"].transpose(0, 1), w_uk).transpose(0, 1), x["q_pe"]], -1)
+    pos = x["positions"].long()
+    slots = x["table"].long().gather(1, pos // bs) * bs + pos % bs  # token t is request t's query
+    o = _decode_torch({**x, "q": q, "indices": slots})
+    return torch.bmm(o.transpose(0, 1), w_uv).transpose(0, 1)
+
+
+def _impl_error(x, out):
+    sl = slice(0, CHECK_TOKENS)
+    impl = x["impl"]
+    q = torch.cat([torch.einsum("thn,hnl->thl", x["q_nope"][sl].double(), impl.W_UK.double()),
+                   x["q_pe"][sl].double()], -1)
+    slots = reference.convert_req_index_ref(x["req_id"][sl], x["table"], x["positions"][sl], x["cache"].shape[1])
+    o_lat, _ = reference.sparse_mla_decode_ref(q, x["cache"], slots, scale=x["scale"])
+    return rel_l2(out[sl], torch.einsum("thl,hlv->thv", o_lat.double(), impl.W_UV.double()))
+
+
+def _impl_count(p):
+    flops, nbytes = _decode_count(p)
+    t, h = p["tokens"], p["heads"]
+    return flops + 2.0 * t * h * 512 * (_NOPE + _V), nbytes + float(h * (_NOPE + _V) * 512 * 2)  # + W_UK, W_UV
+
+
+register(Op(
+    name="sparse_mla_impl_decode",
+    shape_sets={"standard": _DECODE_HOST, "host": _DECODE_HOST,
+                "small": [dict(cache="fp8", tokens=2, heads=16, topk=128, slots=4096, block_size=64)]},
+    build=_impl_build, run=_impl_run, torch_ref=_impl_torch, error=_impl_error, count=_impl_count,
+    label=_decode_label,
 ))
 
 
@@ -142,6 +263,7 @@ register(Op(
     build=_prefill_build, run=_prefill_run, torch_ref=_prefill_torch, error=_prefill_error,
     count=_prefill_count,
     label=lambda p: f"T{p['tokens']}-H{p['heads']}-topk{p['topk']}",
+    peer=PREFILL_PEER,
 ))
 
 

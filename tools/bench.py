@@ -7,12 +7,24 @@ the MHA path) as the median of CUDA-graph replays (`triton.testing.do_bench_cuda
 time, no host overhead), and report bytes/s and FLOP/s against the copy bandwidth and
 bf16 matmul rate measured in the same run.
 
+Eager time (`eager ms`): the wall time per call of back-to-back eager calls with one synchronize
+at the end (300 calls, fewer where the kernel is long: the count is recorded), median of 5 repeats:
+what a call costs an engine that does not capture graphs, host overhead (validation, dispatch,
+launches, allocations) included.
+
+FlashMLA (`FlashMLA ms`, `ratio` = ms / FlashMLA ms): ops with a FlashMLA counterpart (sparse
+decode over the fp8 cache, sparse prefill) also time `flash_mla` in the same process on the same
+tensors, CUDA-graph replay and eager, when it is importable (tools/_bench_peer.py; install with
+`. tools/flashmla_peer.sh`), and report how far its outputs are from openmla's (max abs
+difference of out and lse) and from the oracle. Without it those columns say "not measured".
+
     PYTHONPATH=. python3 tools/bench.py --op sparse_mla_decode --shapes standard --out decode.json
     PYTHONPATH=. python3 tools/bench.py --op all --compare old.json
     python tools/bench.py --shapes small      # no GPU: Triton interpreter, timings meaningless
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set here) and
-only the `small` shape sets are accepted. The interpreter computes some things silently wrong
+only the `small` shape sets are accepted; eager times are not measured there unless
+--eager-calls asks. The interpreter computes some things silently wrong
 (bf16/fp8 tl.dot operands, float->bf16/fp8 rounding; tests/conftest.py corrects them for the
 tests, tools do not use test code), so on a CPU an op's result is checked only where it does
 not depend on those defects (each op's `interpreter_exact`); elsewhere the check reads
@@ -36,10 +48,11 @@ import torch
 
 
 # Imported first: without a GPU it sets TRITON_INTERPRET=1, which must precede importing triton.
-from openmla.tools._bench_core import GPU, REGISTRY, Case, Op, register, rel_l2  # noqa: E402,F401  (re-exported)
+from openmla.tools._bench_core import GPU, REGISTRY, Case, NotMeasured, Op, Peer, register, rel_l2  # noqa: E402,F401  (re-exported)
 # The op entries: each module registers its ops on import.
 from openmla.tools import _bench_mla  # noqa: E402,F401
 from openmla.tools import _bench_mha  # noqa: E402,F401
+from openmla.tools import _bench_peer  # noqa: E402
 from openmla.quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor  # noqa: E402,F401  (tools/sweep.py)
 from triton.runtime.errors import InterpreterError  # noqa: E402
 
@@ -96,6 +109,30 @@ def kernel_time(fn) -> tuple[float, str]:
         return do_bench(fn, quantiles=[0.5]), "eager"
 
 
+EAGER_CALLS, EAGER_REPEATS = 300, 5
+EAGER_BUDGET_MS = 500.0  # one repeat's target wall time: long kernels get fewer calls
+
+
+def eager_time(fn, calls: int, repeats: int, kernel_ms: float = float("nan")) -> tuple[float, str]:
+    """Wall time per call (ms) of `calls` eager calls back to back with one synchronize at the
+    end, median of `repeats`, and how it was taken. Where the kernel alone takes longer than
+    EAGER_BUDGET_MS / calls, fewer calls (at least 10) keep a repeat near that budget."""
+    sync = torch.cuda.synchronize if GPU else (lambda: None)
+    if math.isfinite(kernel_ms) and kernel_ms > 0:
+        calls = max(min(calls, 10), min(calls, int(EAGER_BUDGET_MS / kernel_ms)))
+    fn()  # compile / autotune / first-use work outside the timing
+    sync()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / calls)
+    return sorted(times)[len(times) // 2] * 1e3, f"eager, {calls} calls, one sync, median of {repeats}"
+
+
 def _interpreter_autotune() -> None:
     """Under the interpreter, Triton 3.6's autotuner would time every config that pruning keeps,
     which needs a GPU driver. Report equal times: min() then keeps the first config the kernel's
@@ -107,7 +144,12 @@ def _interpreter_autotune() -> None:
     autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
 
 
-def run_case(op: Op, params: dict, device, skip_ref: bool = False) -> Case:
+def run_case(op: Op, params: dict, device, skip_ref: bool = False, peer: tuple = (None, "not requested"),
+             eager: tuple[int, int] = (0, 0)) -> Case:
+    """One case: build, check against the oracle, time (graph replay, eager when eager[0] > 0 calls,
+    the torch reference), and time and compare the FlashMLA peer when the op has one.
+
+    peer: (flash_mla module or None, why None) from _bench_peer.load; eager: (calls, repeats)."""
     flops, nbytes = op.count(params)
     case = Case(op=op.name, name=op.label(params), params=params, flops=flops, bytes=nbytes)
     x = op.build(params, device)
@@ -134,8 +176,15 @@ def run_case(op: Op, params: dict, device, skip_ref: bool = False) -> Case:
                                f"fp32 oracle; refusing to time a wrong result")
     else:
         case.extra["check"] = "n/a (interpreter)"
+    del out
     if device.type == "cuda":
         case.ms, case.extra["timing"] = kernel_time(lambda: op.run(x))
+    if eager[0] > 0:
+        case.eager_ms, case.extra["eager_timing"] = eager_time(lambda: op.run(x), *eager, kernel_ms=case.ms)
+    else:
+        case.extra["eager_timing"] = "not measured (interpreter)" if device.type != "cuda" else "not measured"
+    if op.peer is not None:
+        case.extra["peer"] = run_peer(case, op, x, peer, device, eager)
     if not skip_ref:
         if device.type == "cuda":
             case.ref_ms, case.extra["ref_timing"] = kernel_time(lambda: op.torch_ref(x))
@@ -145,6 +194,39 @@ def run_case(op: Op, params: dict, device, skip_ref: bool = False) -> Case:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return case
+
+
+def run_peer(case: Case, op: Op, x: dict, peer: tuple, device, eager: tuple[int, int]) -> dict:
+    """Time op.peer on the case's inputs (graph replay and eager, into case.peer_ms and
+    case.peer_eager_ms) and compare its outputs with openmla's. Returns the record kept in
+    case.extra["peer"]: status "measured", "not measured" or "failed", and why."""
+    fm, why = peer
+    rec = {"name": op.peer.name}
+    if fm is None:
+        return {**rec, "status": "not measured", "reason": why}
+    try:
+        px = op.peer.prepare(x, fm)
+    except NotMeasured as e:
+        return {**rec, "status": "not measured", "reason": str(e)}
+    try:
+        t0 = time.perf_counter()
+        raw = op.peer.call(px)  # the first call also builds FlashMLA's scheduler metadata
+        cpu_ms = (time.perf_counter() - t0) * 1e3
+        rec.update(status="measured", version=_bench_peer.describe(fm), heads_run=_bench_peer.padded_to(px))
+        rec.update(_bench_peer.compare(op.peer, x, px, raw, op.error))
+        del raw
+        if device.type == "cuda":
+            case.peer_ms, rec["timing"] = kernel_time(lambda: op.peer.call(px))
+        else:
+            case.peer_ms, rec["timing"] = cpu_ms, "cpu, 1 run"
+        if eager[0] > 0:
+            case.peer_eager_ms, rec["eager_timing"] = eager_time(lambda: op.peer.call(px), *eager,
+                                                                  kernel_ms=case.peer_ms)
+    except Exception as e:  # the peer's failure is reported, openmla's numbers are kept
+        rec = {**rec, "status": "failed", "reason": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+        case.peer_ms = case.peer_eager_ms = float("nan")
+        print(f"    FlashMLA {op.peer.name} failed on {case.name}: {rec['reason']}", file=sys.stderr, flush=True)
+    return rec
 
 
 def git_revision() -> str:
@@ -160,39 +242,82 @@ def git_revision() -> str:
         return os.environ.get("OPENMLA_REV", "unknown")
 
 
-# FlashMLA on the same GPU model (DESIGN.md, Performance): fp8 decode and bf16 prefill, ms.
-FLASHMLA_MS = {
-    ("sparse_mla_decode", "fp8", 128): {128: 0.187, 64: 0.117, 32: 0.117, 16: 0.117},
-    ("sparse_mla_decode", "fp8", 32): {128: 0.067, 64: 0.051, 32: 0.051, 16: 0.051},
-    ("sparse_mla_prefill", None, 4096): {128: 4.19, 64: 2.17, 32: 2.17, 16: 2.33},
-}
-
-
-def flashmla_ms(c: dict) -> float:
-    p = c["params"]
-    return FLASHMLA_MS.get((c["op"], p.get("cache"), p.get("tokens")), {}).get(p.get("heads"), float("nan"))
-
-
 def _err(c: dict) -> str:
     """The check column: the relative error, or why there is none."""
     check = c.get("extra", {}).get("check", "oracle")
     return f"{c['rel_err']:.1e}" if check == "oracle" else check
 
 
-def _row(c: dict, ceil: dict, flash: str = "") -> str:
-    """The numeric columns after the case name: ms, [FlashMLA], ref, ratio, bytes/s, FLOP/s, check
-    ('–' where the case did not run)."""
+def _ms(v: float, why: str = "not measured") -> str:
+    return f"{v:.4f}" if math.isfinite(v) else why
+
+
+PEER_HEADER = "FlashMLA ms | ratio | FlashMLA eager ms | max abs diff out / lse | FlashMLA rel err"
+
+
+def _peer_cells(c: dict) -> str:
+    """The FlashMLA columns of one case: its time, ms / FlashMLA ms, its eager time, max |openmla -
+    FlashMLA| of out / lse, its error against the oracle; its status where it was not measured
+    ('–' for an op without a FlashMLA counterpart)."""
+    rec = c.get("extra", {}).get("peer")
+    if rec is None:
+        return " – | – | – | – | – |"
+    if rec["status"] != "measured":
+        return f" {rec['status']} |" * 5
+    ratio = f"{c['ms'] / c['peer_ms']:.2f}" if math.isfinite(c["ms"]) and math.isfinite(c["peer_ms"]) else "–"
+    return (f" {_ms(c['peer_ms'])} | {ratio} | {_ms(c.get('peer_eager_ms', float('nan')))} | "
+            f"{rec['max_abs_out']:.1e} / {rec['max_abs_lse']:.1e} | {rec['peer_rel_err']:.1e} |")
+
+
+def _row(c: dict, ceil: dict, eager: bool, peer: bool) -> str:
+    """The numeric columns after the case name: ms, [eager ms], [FlashMLA columns], ref, ratio,
+    bytes/s, FLOP/s, check ('–' where the case did not run)."""
+    cols = f" {_ms(c['ms'], '–')} |"
+    if eager:
+        cols += f" {_ms(c.get('eager_ms', float('nan')))} |"
+    if peer:
+        cols += _peer_cells(c)
     if not math.isfinite(c["ms"]):
-        return f" – |{flash} – | – | – | – | – | – | {_err(c)} |"
+        return cols + f" – | – | – | – | – | – | {_err(c)} |"
     bps, fps = c["bytes"] / (c["ms"] * 1e-3), c["flops"] / (c["ms"] * 1e-3)
-    return (f" {c['ms']:.4f} |{flash} {c['ref_ms']:.4f} | {c['ref_ms'] / c['ms']:.1f}x | {bps / 1e9:.0f} | "
-            f"{100 * bps / ceil['copy_bytes_per_s']:.0f}% | {fps / 1e12:.1f} | "
-            f"{100 * fps / ceil['bf16_matmul_flops']:.0f}% | {_err(c)} |")
+    return cols + (f" {_ms(c['ref_ms'], '–')} | {c['ref_ms'] / c['ms']:.1f}x | {bps / 1e9:.0f} | "
+                   f"{100 * bps / ceil['copy_bytes_per_s']:.0f}% | {fps / 1e12:.1f} | "
+                   f"{100 * fps / ceil['bf16_matmul_flops']:.0f}% | {_err(c)} |")
+
+
+def _header(first: str, eager: bool, peer: bool) -> list[str]:
+    cols = first + " | ms |" + (" eager ms |" if eager else "") + (f" {PEER_HEADER} |" if peer else "") \
+        + " torch ref ms | ref / ours | GB/s | % copy BW | TFLOP/s | % matmul | rel err |"
+    return [cols, "|" + "---|" * (cols.count("|") - 1)]
+
+
+def _peer_notes(cases: list[dict]) -> list[str]:
+    """What the FlashMLA columns of one op's table are: the peer measured in this run, or why not."""
+    notes = []
+    measured = [c["extra"]["peer"] for c in cases if c["extra"]["peer"]["status"] == "measured"]
+    if measured:
+        rec = measured[0]
+        notes.append(f"FlashMLA ({rec['version']}, `{rec['name']}`) timed in the same run on the same tensors "
+                     "(CUDA-graph replay; eager as for openmla); q padded to 64 or 128 heads "
+                     "(FlashMLA's sm90 kernels), the padded call timed, only the real heads compared. ratio = "
+                     "ms / FlashMLA ms (below 1: openmla faster). max abs diff: openmla against FlashMLA on "
+                     "the same inputs; FlashMLA rel err: its relative L2 error against the fp32 oracle.")
+    reasons = {}
+    for c in cases:
+        rec = c["extra"]["peer"]
+        if rec["status"] != "measured":
+            reasons.setdefault(f"{rec['status']}: {rec['reason']}", []).append(c["name"])
+    for why, names in reasons.items():
+        where = "every case" if len(names) == len(cases) else ", ".join(names)
+        notes.append(f"FlashMLA {why} ({where}).")
+    return notes
 
 
 def report(result: dict) -> str:
     """Markdown for docs/benchmarks.md from a bench JSON: header, then one table per op, each with
-    the device, date and command above it."""
+    the device, date and command right above it. An op's table has the eager column when the run
+    measured eager times and the FlashMLA columns when the op has a FlashMLA counterpart (runs
+    older than those columns have neither)."""
     ceil = result["ceilings"]
     out = [f"{result['device']}, {result['date']}, torch {result['torch']}, triton {result['triton']}, "
            f"git {result['git']}. Copy bandwidth {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
@@ -204,26 +329,31 @@ def report(result: dict) -> str:
     ops = sorted({c["op"] for c in result["cases"]})
     for op in ops:
         cases = [c for c in result["cases"] if c["op"] == op]
-        has_flash = any(math.isfinite(flashmla_ms(c)) for c in cases)
+        eager = any("eager_ms" in c for c in cases)
+        peer = any("peer" in c.get("extra", {}) for c in cases)
         out.append(f"### {op}\n")
+        notes = []
+        if eager:
+            notes.append("ms: CUDA-graph replay (kernel time). eager ms: wall time per call of eager calls back to "
+                         "back, one synchronize at the end, host overhead included (calls and repeats per case "
+                         "in the JSON).")
+        if peer:
+            notes += _peer_notes(cases)
+        if notes:
+            out.append(" ".join(notes) + "\n")
         out.append(caption + "\n")
-        out.append("| case | ms | FlashMLA ms | FlashMLA / ours | torch ref ms | ref / ours | GB/s | % copy BW "
-                   "| TFLOP/s | % matmul | rel err |" if has_flash else
-                   "| case | ms | torch ref ms | ref / ours | GB/s | % copy BW | TFLOP/s | % matmul | rel err |")
-        out.append("|" + "---|" * (11 if has_flash else 9))
+        out += _header("| case", eager, peer)
         for c in cases:
-            fm = flashmla_ms(c)
-            flash = f" {fm:.3f} | {fm / c['ms']:.2f}x |" if math.isfinite(fm) else " – | – |"
-            out.append(f"| {c['name']} |" + _row(c, ceil, flash if has_flash else ""))
+            out.append(f"| {c['name']} |" + _row(c, ceil, eager, peer))
         out.append("")
     return "\n".join(out)
 
 
 def table(cases: list[Case], ceil: dict) -> str:
-    lines = ["| op | case | ms | torch ref ms | speedup vs ref | GB/s | % copy BW | TFLOP/s | % matmul | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """The run's table on stdout: every case, with the eager and FlashMLA columns."""
+    lines = _header("| op | case", True, True)
     for c in cases:
-        lines.append(f"| {c.op} | {c.name} |" + _row(asdict(c), ceil))
+        lines.append(f"| {c.op} | {c.name} |" + _row(asdict(c), ceil, True, True))
     return "\n".join(lines)
 
 
@@ -234,6 +364,12 @@ def main(argv=None) -> int:
                     "on a GPU, small without one")
     ap.add_argument("--heads", type=int, nargs="*", help="only these head counts")
     ap.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
+    ap.add_argument("--eager-calls", type=int, default=None, metavar="N",
+                    help=f"eager calls per repeat (default {EAGER_CALLS} on a GPU; 0 = no eager time, the "
+                    "default without one: the interpreter takes seconds a call)")
+    ap.add_argument("--eager-repeats", type=int, default=EAGER_REPEATS, metavar="N",
+                    help=f"repeats of the eager loop, median reported (default {EAGER_REPEATS})")
+    ap.add_argument("--no-peer", action="store_true", help="do not time FlashMLA even where it is importable")
     ap.add_argument("--out", help="write JSON here")
     ap.add_argument("--compare", help="a previous JSON: print time ratios old/new")
     ap.add_argument("--report", metavar="JSON", help="print markdown for docs/benchmarks.md from a saved run; no GPU")
@@ -251,6 +387,10 @@ def main(argv=None) -> int:
             ap.error(f"--op: expected 'all' or names from {sorted(REGISTRY)}, got {n!r}")
         if shapes not in REGISTRY[n].shape_sets:
             ap.error(f"--shapes: {n} has {sorted(REGISTRY[n].shape_sets)}, got {shapes!r}")
+    eager_calls = args.eager_calls if args.eager_calls is not None else (EAGER_CALLS if GPU else 0)
+    if eager_calls < 0 or args.eager_repeats < 1:
+        ap.error(f"--eager-calls >= 0 and --eager-repeats >= 1, got {eager_calls} and {args.eager_repeats}")
+    eager = (eager_calls, args.eager_repeats)
     import triton
     if GPU:
         device, device_name = torch.device("cuda"), torch.cuda.get_device_name()
@@ -263,14 +403,24 @@ def main(argv=None) -> int:
           f"bf16 matmul {ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     if not GPU:
         print(f"# {CPU_WARNING}", flush=True)
+    peer = (None, "--no-peer") if args.no_peer else _bench_peer.load(GPU)
+    if any(REGISTRY[n].peer is not None for n in names):
+        print(f"# FlashMLA: {_bench_peer.describe(peer[0]) + ', timed in this run' if peer[0] else 'not measured: ' + peer[1]}",
+              flush=True)
     cases = []
     for n in names:
         op = REGISTRY[n]
         for p in op.shape_sets[shapes]:
             if args.heads and p.get("heads") not in args.heads:
                 continue
-            c = run_case(op, p, device, skip_ref=args.no_ref)
-            print(f"  {c.op} {c.name}: {c.ms:.4f} ms (torch ref {c.ref_ms:.4f} ms), rel err {_err(asdict(c))}",
+            c = run_case(op, p, device, skip_ref=args.no_ref, peer=peer, eager=eager)
+            line = f"  {c.op} {c.name}: {c.ms:.4f} ms, eager {_ms(c.eager_ms)}"
+            if op.peer is not None:
+                rec = c.extra["peer"]
+                line += (f", FlashMLA {c.peer_ms:.4f} ms (eager {_ms(c.peer_eager_ms)}), max abs diff out "
+                         f"{rec['max_abs_out']:.1e} lse {rec['max_abs_lse']:.1e}" if rec["status"] == "measured"
+                         else f", FlashMLA {rec['status']}")
+            print(line + f" (torch ref {c.ref_ms:.4f} ms), rel err {_err(asdict(c))}",
                   file=sys.stderr if not GPU else sys.stdout, flush=True)
             cases.append(c)
     print(table(cases, ceil))
@@ -279,6 +429,8 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "triton": triton.__version__, "git": git_revision(),
         "command": " ".join(["tools/bench.py"] + (argv if argv is not None else sys.argv[1:])),
         "ceilings": ceil, "cases": [asdict(c) for c in cases],
+        "eager": {"calls": eager[0], "repeats": eager[1]},
+        "peer": {"module": _bench_peer.describe(peer[0])} if peer[0] else {"not_measured": peer[1]},
     }
     if not GPU:
         result["warning"] = CPU_WARNING

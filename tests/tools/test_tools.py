@@ -320,16 +320,25 @@ def test_bench_small_prints_its_numbers(tmp_path, capsys):
     assert {(c["op"], c["name"]) for c in result["cases"]} == want
     for new in ("merge_attn_states", "convert_req_index_to_global", "write_kv_cache", "varlen_attention"):
         assert {"small", "standard"} <= set(bench.REGISTRY[new].shape_sets)
-    rows = {}
+    rows, header = {}, None
     for line in printed.out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| op | case |"):
+            header = cells
         if line.startswith("| ") and (cells[0], cells[1]) in want:
-            rows[(cells[0], cells[1])] = cells
+            rows[(cells[0], cells[1])] = dict(zip(header, cells))
     for c in result["cases"]:
         cells = rows[(c["op"], c["name"])]
-        assert cells[-1] == bench._err(c)
+        assert cells["rel err"] == bench._err(c)
         if math.isfinite(c["ms"]):
-            assert cells[2] == f"{c['ms']:.4f}" and cells[3] == f"{c['ref_ms']:.4f}"
+            assert cells["ms"] == f"{c['ms']:.4f}" and cells["torch ref ms"] == f"{c['ref_ms']:.4f}"
+        # eager times: measured by default on a GPU, not in the interpreter (seconds a call)
+        assert cells["eager ms"] == (f"{c['eager_ms']:.4f}" if bench.GPU else "not measured")
+        # the FlashMLA columns: the peer's status for ops that have one (tests/tools/test_bench_peer.py)
+        if bench.REGISTRY[c["op"]].peer is None:
+            assert "peer" not in c["extra"] and cells["FlashMLA ms"] == "–"
+        elif c["extra"]["peer"]["status"] != "measured":
+            assert cells["FlashMLA ms"] == cells["ratio"] == c["extra"]["peer"]["status"]
         if c["extra"]["check"] == "oracle":
             assert c["rel_err"] <= 2e-2
         if c["op"] in ("convert_req_index_to_global", "write_kv_cache", "write_mla_cache", "gather_upconvert") \
