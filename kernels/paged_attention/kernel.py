@@ -18,8 +18,8 @@ One kernel, `paged_attention_kernel`:
   row of the block behind valid block ids, and the masked tiles at the causal diagonal and
   window edges (FlashAttention's off-band / on-band loops). Interior tiles use no masks and take
   their block ids from registers loaded one tile ahead, so the compiler's pipeliner issues
-  their K / V copies num_stages - 1 tiles ahead (a block-id load in the same iteration made it
-  wait for every copy at each step: 2.47 ms -> 1.21 ms at 8k tokens on the H200).
+  their K / V copies num_stages - 1 tiles ahead (a block-id load in the same iteration would
+  make it wait for every copy at each step).
   Row blocks launch last-first: the most expensive causal blocks start in the first wave.
 - Short queries (decode, speculative decoding) whose grid would underfill the GPU split the key
   range over NUM_SPLITS programs; `paged_attention_reduce_kernel` folds the partial
@@ -29,7 +29,7 @@ One kernel, `paged_attention_kernel`:
   own BLOCK_N / STREAMS keys of every tile and keeps its own online softmax (3-D dots with the
   warps on the batch dimension), so no tile needs a cross-warp row max / sum or P through shared
   memory; the streams merge once per program. With 16 rows and GQA 4, the one-stream layout
-  spends its time in those per-tile exchanges (ncu, int8_qkv decode on the H200).
+  spends its time in those per-tile exchanges (docs/notes/paged_attention.md, key streams).
 - int8 caches (int8_qkv / int8_qk): q is quantized per row in the kernel, Q.K is an int8 dot
   scaled by s_q * s_k per score, and an int8 V enters the P.V dot as fp16 (converted exactly,
   on NVIDIA with byte permutes instead of quarter-rate I2F), its per-channel scale applied to
@@ -67,7 +67,7 @@ def _config(bm, bn, w, s, maxnreg=None, streams=0):
 
 # Sound defaults first (the first survivor of pruning is what runs without benchmarking), then
 # the rest of the grid. Long queries: 128 x 128 tiles, 8 warps, 3 stages (D <= 128), else
-# 128 x 64, else 64 x 64 (D = 256); measured on the H200 in scratch/paged_perf/NOTES.md.
+# 128 x 64, else 64 x 64 (D = 256): the fastest for each head dim (docs/notes/paged_attention.md).
 _DEFAULTS = [(16, 64, 4, 2), (32, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 2),
              (64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 2)]
 _CONFIGS = [_config(*c) for c in _DEFAULTS] + [
@@ -75,13 +75,12 @@ _CONFIGS = [_config(*c) for c in _DEFAULTS] + [
     for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
     if (bm, bn, w, s) not in _DEFAULTS
 ] + [
-    # int8 decode: capping the 128-key kernel at 168 registers (from 255) measured 3% faster at
-    # batch 32 / 128, 32k context on the H200 (int8-only: see _prune).
+    # int8 decode: the 128-key kernel capped at 168 registers (from 255), for large batches
+    # (int8-only: see _prune).
     _config(16, 128, 4, 3, maxnreg=168),
 ] + [
     # Short queries, one key stream per warp (see the kernel), BLOCK_N / 4 keys per warp and
-    # tile. H200, int8_qkv decode at 32k: BLOCK_N 128 0.547 / 2.20 ms at batch 32 / 128 (one
-    # stream per program: 0.605 / 2.41); 2-warp programs were slower (0.80 / 2.71 ms).
+    # tile; 4-warp programs only (2-warp ones with 2 streams were slower: see the notes).
     _config(16, bn, 4, 3, streams=4) for bn in (64, 128)
 ]
 # OPENMLA_AUTOTUNE=0: no benchmarking, every launch takes the first config its pruning keeps
@@ -117,11 +116,11 @@ def _prune(configs, named_args, **kwargs):
         if bm <= 32 and w == 8:
             continue
         # Registers: the fp32 accumulator, the score tile and one K/V operand tile spread over the
-        # threads. ptxas for sm_90 (scratch/paged/NOTES.md) spills past ~176 such values per
+        # threads. ptxas for sm_90 spills past ~176 such values per
         # thread (D=128: 64x128 keys at 4 warps, 128x128 at 8) and never below it. Long bf16/fp16
         # queries copy K/V straight to shared memory (no operand tile in registers) and keep
         # their interior loop free of spills up to 144 accumulator + score values per thread
-        # (scratch/paged_perf/sweep_long.txt: D=128 128x128 at 8 warps is 128).
+        # (D=128 128x128 at 8 warps is 128).
         if not want_m and not (kwargs["IS_FP8"] or kwargs["K_INT8"] or kwargs["V_INT8"]):
             if (bm * d + bm * bn) / (32 * w) > 144:
                 continue
@@ -221,7 +220,7 @@ def paged_attention_kernel(
     if IS_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     # P.V runs in q's dtype; with an int8 V in fp16, which holds every int8 value and P with 3
-    # more mantissa bits than bf16 (measured on the H200: rel. error 2.3e-3 -> 1.7e-3).
+    # more mantissa bits than bf16 (so a smaller error against the oracle).
     if V_INT8:
         PV_DT: tl.constexpr = tl.float16
     else:
@@ -282,8 +281,7 @@ def paged_attention_kernel(
         p_bt = bt_ptr
     # Tiles [n_in, n_out) are interior (no masks, see _attend_tile); the tiles before and after
     # them within [n_start, n_end) are masked. Decode takes the same two loops: a split of a long
-    # context is almost all interior tiles, whose K / V copies then pipeline (H200, int8_qkv
-    # decode at 32k, batch 32: 0.91 -> 0.75 ms; bf16 unchanged).
+    # context is almost all interior tiles, whose K / V copies then pipeline.
     # Keys every row of the block sees: [full_lo, full_hi) (the bounds of its last query token
     # from below, of its first from above).
     full_lo, full_hi = _key_bounds(lo, n_end, context_len, tq_last, tq_first, win_left,

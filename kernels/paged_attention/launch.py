@@ -30,8 +30,7 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # Programs per SM the split count aims for: the grid fills at most one round of WAVES programs
 # per SM (decode programs run two per SM: ~255 registers x 128 threads). Rounding the split
-# count up instead starts a second, mostly idle round (H200, int8_qkv B8 32k: 5 splits 0.255 ms,
-# 4 splits 0.165 ms).
+# count up instead starts a second, mostly idle round that takes as long as a full one.
 WAVES = 2
 
 

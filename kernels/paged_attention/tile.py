@@ -14,9 +14,8 @@ def _int8_to_fp16_ptx(x):
     only (PTX); `sitofp` would spend one quarter-rate I2F per element.
     Not pure on purpose: a pure elementwise op is moved past the layout change to the dot
     operand, which then gathers single bytes from shared memory (LDS.U8 + PRMT per value); here
-    the tile converts where it was loaded and reaches the dot through ldmatrix (int8_qkv decode:
-    35% fewer instructions executed, ncu on the H200; 2-3% faster at B32/B128, 0.253 -> 0.220 ms
-    at B8 with the old split rule)."""
+    the tile converts where it was loaded and reaches the dot through ldmatrix (far fewer
+    instructions executed: docs/notes/paged_attention.md)."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 a, lo, hi, c;
