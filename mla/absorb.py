@@ -85,7 +85,9 @@ class MLAWeightDims:
             if val is None and optional:
                 return None
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                fail(f"config[{key!r}]", "a positive int" + (" or null" if optional else ""), val)
+                text = repr(val)  # cut: a wrong value may be a huge list
+                fail(f"config[{key!r}]", "a positive int" + (" or null" if optional else ""),
+                     text if len(text) <= 80 else text[:80] + "...")
             return val
 
         q_lora = get("q_lora_rank", optional=True) if "q_lora_rank" in config else None

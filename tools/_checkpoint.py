@@ -3,8 +3,8 @@
 Headers are parsed here (not by safetensors) so that a bad shard is a one-line AbsorbError and
 untouched tensors can be copied as raw bytes; tensors are loaded through safetensors, one at a
 time. The writer streams: header first, then one tensor at a time, so memory stays near the
-largest tensor produced, never the shard or the model. Output goes to a temporary folder inside
-OUT_DIR (staged_dir) and is moved into place only when the caller's block completes.
+largest tensor produced, never the shard or the model. Where the output goes (a temporary
+folder, then OUT_DIR) is tools/_outdir.py's job.
 """
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -87,6 +85,8 @@ def read_header(path: str) -> ShardHeader:
     if not isinstance(header, dict):
         bad("header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        bad(f"__metadata__ is not a JSON object (got {type(metadata).__name__})")
     data_start = 8 + n
     entries = {}
     for name, e in header.items():
@@ -178,6 +178,9 @@ def open_checkpoint(root: str) -> Checkpoint:
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise AbsorbError(f"{index_path}: expected a 'weight_map' of tensor name -> shard file")
+        if not isinstance(index.get("metadata") or {}, dict):
+            raise AbsorbError(f"{index_path}: 'metadata': expected a JSON object, got "
+                              f"{_json_text(index['metadata'])}")
         shards = sorted(set(wm.values()))
     else:
         shards = sorted(f for f in os.listdir(root) if f.endswith(".safetensors"))
@@ -198,12 +201,32 @@ def open_checkpoint(root: str) -> Checkpoint:
             if name not in headers[s].entries:
                 raise AbsorbError(f"missing tensor {name}: {INDEX_NAME} puts it in {s}, "
                                   "which does not hold it")
-    qc = config.get("quantization_config") or {}
-    block = tuple(qc.get("weight_block_size") or FP8_WEIGHT_BLOCK)
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-        raise AbsorbError("config.json quantization_config.weight_block_size: expected two "
-                          f"positive ints, got {list(block)}")
-    return Checkpoint(root, config, index, headers, where, block)
+    return Checkpoint(root, config, index, headers, where, _weight_block(config, root))
+
+
+def _json_text(value, limit: int = 80) -> str:
+    """A config value as its JSON text, cut to limit characters (a wrong value may be huge)."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _weight_block(config: dict, root: str) -> tuple:
+    """The fp8 block shape: config.json quantization_config.weight_block_size, two positive
+    ints (DeepSeek's [128, 128] when absent); AbsorbError for any other value or type."""
+    where = f"{os.path.join(root, CONFIG_NAME)} quantization_config"
+    qc = config.get("quantization_config")
+    if qc is None:
+        return FP8_WEIGHT_BLOCK
+    if not isinstance(qc, dict):
+        raise AbsorbError(f"{where}: expected a JSON object, got {_json_text(qc)}")
+    block = qc.get("weight_block_size")
+    if block is None:
+        return FP8_WEIGHT_BLOCK
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise AbsorbError(f"{where}.weight_block_size: expected two positive ints like [128, 128], "
+                          f"got {_json_text(block)}")
+    return tuple(block)
 
 
 class TensorReader:
@@ -351,61 +374,24 @@ def write_index(ck: Checkpoint, dst_root: str, weight_map: dict, total_size: int
     write_json(os.path.join(dst_root, INDEX_NAME), index)
 
 
-def copy_other_files(src_root: str, dst_root: str, skip, real_out: str) -> None:
-    """Copy every entry of src_root not named in skip (folders whole, links as links), except
-    the output folder real_out (a realpath) and any folder holding it."""
+def other_entries(src_root: str, skip, real_out: str) -> list:
+    """Top-level names in src_root to copy into the output: all but those in skip, the output
+    folder real_out (a realpath) and any folder holding it."""
+    out = []
     for name in sorted(os.listdir(src_root)):
-        p = os.path.join(src_root, name)
-        rp = os.path.realpath(p)
+        rp = os.path.realpath(os.path.join(src_root, name))
         if name in skip or rp == real_out or real_out.startswith(rp + os.sep):
             continue
+        out.append(name)
+    return out
+
+
+def copy_other_files(src_root: str, dst_root: str, names) -> None:
+    """Copy the top-level entries names of src_root into dst_root: a file (or a link to one, as
+    a Hugging Face snapshot holds them) by content, a folder whole with links inside kept as links."""
+    for name in names:
+        p = os.path.join(src_root, name)
         if os.path.isdir(p):
             shutil.copytree(p, os.path.join(dst_root, name), symlinks=True)
         else:
             shutil.copy2(p, os.path.join(dst_root, name))
-
-
-def check_out_dir(checkpoint_dir: str, out_dir: str, force: bool) -> str:
-    """AbsorbError unless out_dir can take the output: absent, or an empty folder (any folder
-    with force), and not checkpoint_dir itself. Returns out_dir's realpath."""
-    if os.path.exists(out_dir):
-        if not os.path.isdir(out_dir):
-            raise AbsorbError(f"OUT_DIR {out_dir}: exists and is not a directory")
-        if os.listdir(out_dir) and not force:
-            raise AbsorbError(f"OUT_DIR {out_dir}: not empty (--force writes into it)")
-    real_in, real_out = os.path.realpath(checkpoint_dir), os.path.realpath(out_dir)
-    if real_in == real_out:
-        raise AbsorbError("OUT_DIR is CHECKPOINT_DIR: write the absorbed checkpoint somewhere else")
-    return real_out
-
-
-@contextmanager
-def staged_dir(out_dir: str):
-    """Yield a new temporary folder inside out_dir (made if missing). If the block completes,
-    its files are moved into out_dir under the same relative paths; either way the temporary
-    folder is removed, and so is out_dir if it was made here and nothing was moved into it."""
-    out_existed = os.path.exists(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".absorb-tmp-", dir=out_dir)
-    committed = False
-    try:
-        yield tmp
-        move_into(tmp, out_dir)
-        committed = True
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not committed and not out_existed:
-            try:
-                os.rmdir(out_dir)
-            except OSError:
-                pass
-
-
-def move_into(tmp: str, out_dir: str) -> None:
-    """Rename every file under tmp to the same relative path under out_dir (the commit)."""
-    for dirpath, _, files in os.walk(tmp):
-        for fn in files:
-            rel = os.path.relpath(os.path.join(dirpath, fn), tmp)
-            dst = os.path.join(out_dir, rel)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            os.replace(os.path.join(dirpath, fn), dst)

@@ -20,10 +20,20 @@ time, so memory stays near the largest tensor produced, never the model. config.
 files are copied. Then each layer is verified on random inputs: absorbed layer output against
 the original's, in fp32, relative L2 error reported and bounded.
 
-Exit codes: 0 done and verified; 1 verification failed (nothing written); 2 bad input (one-line
-error: missing tensor, config disagreeing with shapes, unreadable shard, OUT_DIR not empty
-without --force). Files are written under a temporary folder in OUT_DIR and renamed into place
-only after verification, so a failed run leaves nothing under OUT_DIR's final names.
+A weight or scale the layers are computed from, or a tensor written, that holds NaN or inf
+fails the run, naming the tensor (also with --no-verify, which skips only the comparison).
+
+Files are written under a temporary folder in OUT_DIR and moved into place only after
+verification, so a failed or interrupted run (error, Ctrl-C, SIGTERM) leaves nothing under
+OUT_DIR's final names; a temporary folder left by a killed run is named in the next run's error.
+OUT_DIR/openmla-absorb-manifest.json lists the files a run wrote: --force replaces exactly those
+(unchanged since) and refuses to overwrite, or write beside, checkpoint files it did not write.
+
+Exit codes: 0 done and verified; 1 verification failed, NaN/inf included (nothing written);
+2 bad input (one-line error: missing tensor, config disagreeing with shapes or of the wrong type,
+unreadable shard, OUT_DIR not empty without --force or holding files the tool did not write);
+3 internal error (a bug: traceback printed, nothing written); 130 / 143 interrupted by
+SIGINT / SIGTERM (nothing written).
 """
 from __future__ import annotations
 
@@ -31,8 +41,11 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
+import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -47,6 +60,7 @@ from openmla.mla.absorb import (
     layer_output_split,
     layer_output_unabsorbed,
     split_kv_b_proj,
+    weight_to_fp32,
 )
 from openmla.tools._absorb_demo import build_demo_checkpoint, run_demo  # noqa: E402,F401 (tests use it)
 from openmla.tools._checkpoint import (
@@ -57,15 +71,15 @@ from openmla.tools._checkpoint import (
     Checkpoint,
     OutTensor,
     TensorReader,
-    check_out_dir,
     copy_other_files,
     open_checkpoint,
+    other_entries,
     size_text,
-    staged_dir,
     write_index,
     write_json,
     write_shards,
 )
+from openmla.tools._outdir import MANIFEST_NAME, OutDir, files_under
 
 OUT_DTYPES = {"bf16": (torch.bfloat16, "BF16"), "fp32": (torch.float32, "F32")}
 # Bound on the relative L2 error of the absorbed layer output against the original, per --dtype:
@@ -75,7 +89,52 @@ _LAYER_RE = re.compile(r"^(?P<prefix>(?:.+\.)?layers\.(?P<idx>\d+)\.self_attn)\.
 
 
 class VerificationError(Exception):
-    """The absorbed layers do not match the originals: exit code 1, nothing written."""
+    """The absorbed layers do not match the originals, or a tensor holds NaN/inf: exit code 1,
+    nothing written."""
+
+
+class Terminated(BaseException):
+    """Raised by the SIGTERM handler of main(): unwinds like KeyboardInterrupt, so the temporary
+    folder is removed (a BaseException, so that no `except Exception` swallows it)."""
+
+
+def _not_finite(part: torch.Tensor) -> torch.Tensor:
+    if part.dtype == torch.float8_e4m3fn:
+        return (part.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn has no inf; S.1111.111 is NaN
+    return ~torch.isfinite(part)
+
+
+_CHECK_CHUNK = 1 << 24  # elements a step: the mask stays small next to the tensor checked
+
+
+def check_finite(name: str, t: torch.Tensor, where: str = "") -> None:
+    """VerificationError naming the tensor if t holds NaN or inf (fp8 e4m3fn: its NaN bytes)."""
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), _CHECK_CHUNK):
+        bad = _not_finite(flat[start:start + _CHECK_CHUNK])
+        if not bool(bad.any()):
+            continue
+        first = start + int(bad.to(torch.uint8).argmax())
+        count = sum(int(_not_finite(flat[i:i + _CHECK_CHUNK]).sum())
+                    for i in range(start, flat.numel(), _CHECK_CHUNK))
+        pos = [int(i) for i in torch.unravel_index(torch.tensor(first), t.shape)] if t.dim() else []
+        raise VerificationError(f"{name}{where}: {count} of {t.numel()} values are NaN or inf, the "
+                                f"first at {pos} ({float(flat[first].float())})")
+
+
+def read_fp32(reader: TensorReader, name: str, where: str = "") -> torch.Tensor:
+    """reader.fp32(name) with every part checked finite: the weight, its scale_inv, and the
+    dequantized product (a huge scale can overflow it)."""
+    w = reader.tensor(name)
+    check_finite(name, w, where)
+    scale = name + "_scale_inv"
+    s = reader.tensor(scale) if scale in reader.where else None
+    if s is not None:
+        check_finite(scale, s, where)
+    w = weight_to_fp32(w, s, reader.block)
+    if s is not None:
+        check_finite(f"{name} dequantized with {scale}", w, where)
+    return w
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,10 +189,13 @@ def make_plan(ck: Checkpoint, mode: str, dtype: str, only_layers=None) -> Plan:
     if not found:
         raise AbsorbError(f"missing tensor *.layers.N.self_attn.kv_b_proj.weight: no MLA layer in {ck.root}")
     if only_layers is not None:
-        absent = sorted(set(only_layers) - set(found))
+        if not isinstance(only_layers, LayerSelection):
+            only_layers = LayerSelection.of(only_layers)
+        absent = only_layers.missing(found)
         if absent:
-            raise AbsorbError(f"--layers: no layer {absent} in the checkpoint "
-                              f"(it has {_ranges(sorted(found))})")
+            shown = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in absent[:8])
+            raise AbsorbError(f"--layers: no layer {shown}{',...' if len(absent) > 8 else ''} in the "
+                              f"checkpoint (it has {_ranges(sorted(found))})")
     layers = [l for i in sorted(found) if only_layers is None or i in only_layers for l in found[i]]
     plan = Plan(mode, dtype, dims, layers)
     shapes = dims.shapes()
@@ -188,15 +250,56 @@ def _ranges(xs) -> str:
     return ",".join(out)
 
 
-def parse_layers(text: str) -> list:
-    """'0-3,7' -> [0, 1, 2, 3, 7]."""
-    out = set()
+@dataclass(frozen=True)
+class LayerSelection:
+    """Layer numbers as sorted, disjoint, inclusive ranges ((lo, hi), ...): '0-9999999' stays
+    one pair, never a list of ten million numbers."""
+
+    ranges: tuple
+
+    @classmethod
+    def of(cls, numbers) -> "LayerSelection":
+        return cls._merged((int(i), int(i)) for i in numbers)
+
+    @classmethod
+    def _merged(cls, pairs) -> "LayerSelection":
+        out = []
+        for lo, hi in sorted(pairs):
+            if out and lo <= out[-1][1] + 1:
+                out[-1] = (out[-1][0], max(out[-1][1], hi))
+            else:
+                out.append((lo, hi))
+        return cls(tuple(out))
+
+    def __contains__(self, i: int) -> bool:
+        return any(lo <= i <= hi for lo, hi in self.ranges)
+
+    def missing(self, have) -> list:
+        """The selected numbers not in have (a small set), as ranges: work ~ len(have) + ranges."""
+        have = sorted(have)
+        out = []
+        for lo, hi in self.ranges:
+            start = lo
+            for i in have:
+                if lo <= i <= hi:
+                    if i > start:
+                        out.append((start, i - 1))
+                    start = i + 1
+            if start <= hi:
+                out.append((start, hi))
+        return out
+
+
+def parse_layers(text: str) -> LayerSelection:
+    """'0-3,7' -> LayerSelection(((0, 3), (7, 7)))."""
+    pairs = []
     for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        m = re.fullmatch(r"\s*(\d{1,18})\s*(?:-\s*(\d{1,18})\s*)?", part)
         if not m or (m[2] is not None and int(m[2]) < int(m[1])):
-            raise argparse.ArgumentTypeError(f"expected layer numbers like 0-3,7, got {text!r}")
-        out.update(range(int(m[1]), int(m[2] or m[1]) + 1))
-    return sorted(out)
+            shown = text if len(text) <= 60 else text[:60] + "..."
+            raise argparse.ArgumentTypeError(f"expected layer numbers like 0-3,7, got {shown!r}")
+        pairs.append((int(m[1]), int(m[2] or m[1])))
+    return LayerSelection._merged(pairs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,23 +317,28 @@ class Computer:
         if layer.prefix not in self.cache:
             d = self.plan.dims
             self.cache[layer.prefix] = split_kv_b_proj(
-                self.reader.fp32(layer.weight("kv_b")), num_heads=d.num_heads,
+                read_fp32(self.reader, layer.weight("kv_b")), num_heads=d.num_heads,
                 qk_nope_head_dim=d.qk_nope_head_dim, v_head_dim=d.v_head_dim)
             while len(self.cache) > 2:
                 self.cache.popitem(last=False)
         return self.cache[layer.prefix]
 
     def __call__(self, layer: Layer, kind: str) -> torch.Tensor:
+        """The tensor `kind` of `layer` in --dtype; VerificationError if an input it is computed
+        from or the result holds NaN or inf (checked here, so also with --no-verify)."""
         w_uk, w_uv = self._split(layer)
         dtype = OUT_DTYPES[self.plan.dtype][0]
         if kind == "w_uk":
-            return w_uk.to(dtype)
-        if kind == "w_uv":
-            return w_uv.to(dtype)
-        if kind == "q_folded":
-            return fold_q_proj(self.reader.fp32(layer.weight("q")), w_uk, out_dtype=dtype,
-                               qk_rope_head_dim=self.plan.dims.qk_rope_head_dim)
-        return fold_o_proj(self.reader.fp32(layer.weight("o")), w_uv, out_dtype=dtype)
+            out = w_uk.to(dtype)
+        elif kind == "w_uv":
+            out = w_uv.to(dtype)
+        elif kind == "q_folded":
+            out = fold_q_proj(read_fp32(self.reader, layer.weight("q")), w_uk, out_dtype=dtype,
+                              qk_rope_head_dim=self.plan.dims.qk_rope_head_dim)
+        else:
+            out = fold_o_proj(read_fp32(self.reader, layer.weight("o")), w_uv, out_dtype=dtype)
+        check_finite(layer.out_name(kind), out, f" (computed in {self.plan.dtype})")
+        return out
 
 
 def absorbed_config(ck: Checkpoint, plan: Plan) -> dict:
@@ -286,8 +394,9 @@ def verify(ck: Checkpoint, plan: Plan, out_root: str, seed: int = 0, stream=None
 
     The bound is VERIFY_BOUND[dtype], or 4x the error of the original layer with its own weights
     rounded to --dtype when that is larger (a layer with sharp attention amplifies rounding the
-    same way whether it is absorbed or not). Returns rows {layer, split, fold (fold mode),
-    baseline, bound, ok}."""
+    same way whether it is absorbed or not); ok needs finite errors under a finite bound. A
+    weight read (input or written) holding NaN or inf raises VerificationError naming it.
+    Returns rows {layer, split, fold (fold mode), baseline, bound, ok}."""
     src = TensorReader(ck.root, ck.where, ck.block)
     out = TensorReader(out_root, plan.out_where, ck.block)
     d, out_dtype = plan.dims, OUT_DTYPES[plan.dtype][0]
@@ -299,27 +408,36 @@ def verify(ck: Checkpoint, plan: Plan, out_root: str, seed: int = 0, stream=None
         gen = torch.Generator().manual_seed(seed * 1000003 + l.idx)
         x_q, c_kv, k_pe, idx = random_layer_inputs(d, gen)
         args = dict(dims=d, scale=d.softmax_scale)
-        wq, kv_b, wo = (src.fp32(l.weight(role)) for role in ("q", "kv_b", "o"))
+        wq, kv_b, wo = (read_fp32(src, l.weight(role)) for role in ("q", "kv_b", "o"))
         want = layer_output_unabsorbed(x_q, c_kv, k_pe, idx, wq=wq, kv_b=kv_b, wo=wo, **args)
         rounded = layer_output_unabsorbed(x_q, c_kv, k_pe, idx, **{
             k: w.to(out_dtype) for k, w in (("wq", wq), ("kv_b", kv_b), ("wo", wo))}, **args)
         row = {"layer": l.idx, "baseline": _rel(rounded, want)}
         row["bound"] = max(VERIFY_BOUND[plan.dtype], 4 * row["baseline"])
+        written = " (as written)"
         if plan.mode == "split":  # q and o were copied through: read them back from OUT_DIR too
-            wq, wo = out.fp32(l.weight("q")), out.fp32(l.weight("o"))
-        got = layer_output_split(x_q, c_kv, k_pe, idx, wq=wq, w_uk=out.tensor(l.out_name("w_uk")),
-                                 w_uv=out.tensor(l.out_name("w_uv")), wo=wo, **args)
+            wq, wo = (read_fp32(out, l.weight(role), written) for role in ("q", "o"))
+        got = layer_output_split(x_q, c_kv, k_pe, idx, wq=wq, w_uk=_written(out, l.out_name("w_uk")),
+                                 w_uv=_written(out, l.out_name("w_uv")), wo=wo, **args)
         row["split"] = _rel(got, want)
         if plan.mode == "fold":
             got = layer_output_folded(x_q, c_kv, k_pe, idx,
-                                      wq_folded=out.tensor(l.out_name("q_folded")),
-                                      wo_folded=out.tensor(l.out_name("o_folded")), **args)
+                                      wq_folded=_written(out, l.out_name("q_folded")),
+                                      wo_folded=_written(out, l.out_name("o_folded")), **args)
             row["fold"] = _rel(got, want)
-        row["ok"] = all(row[k] <= row["bound"] for k in ("split", "fold") if k in row)
+        # NaN compares False and inf <= inf is True: only finite errors under a finite bound pass
+        row["ok"] = math.isfinite(row["bound"]) and all(
+            math.isfinite(row[k]) and row[k] <= row["bound"] for k in ("split", "fold") if k in row)
         rows.append(row)
     if tty and plan.layers:
         print("\r" + " " * 40 + "\r", end="", file=stream, flush=True)
     return rows
+
+
+def _written(reader: TensorReader, name: str) -> torch.Tensor:
+    t = reader.tensor(name)
+    check_finite(name, t, " (as written)")
+    return t
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -345,25 +463,34 @@ def absorb(checkpoint_dir: str, out_dir: str, *, mode: str = "split", dtype: str
         raise AbsorbError(f"--mode: expected split or fold, got {mode!r}")
     if dtype not in OUT_DTYPES:
         raise AbsorbError(f"--dtype: expected bf16 or fp32, got {dtype!r}")
-    real_out = check_out_dir(checkpoint_dir, out_dir, force)
+    dest = OutDir(out_dir, checkpoint_dir, force)
     ck = open_checkpoint(checkpoint_dir)
     plan = make_plan(ck, mode, dtype, layers)
+    others = other_entries(ck.root, set(plan.shards) | {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME}, dest.real)
+    planned = list(plan.shards) + [CONFIG_NAME] + ([INDEX_NAME] if ck.index is not None else [])
+    for name in others:
+        p = os.path.join(ck.root, name)
+        planned += [f"{name}/{rel}" for rel in files_under(p)] if os.path.isdir(p) else [name]
+    dest.check_targets(planned)  # before any work: a refusal costs nothing
 
-    with staged_dir(out_dir) as tmp:  # moved into OUT_DIR only if the block completes
-        compute = Computer(TensorReader(ck.root, ck.where, ck.block), plan)
-        total = write_shards(ck, tmp, plan.shards, compute, err)
-        write_json(os.path.join(tmp, CONFIG_NAME), absorbed_config(ck, plan))
-        write_index(ck, tmp, plan.out_where, total)
-        copy_other_files(ck.root, tmp, set(plan.shards) | {CONFIG_NAME, INDEX_NAME}, real_out)
+    try:
+        with dest.staged() as tmp:  # moved into OUT_DIR only if the block completes
+            compute = Computer(TensorReader(ck.root, ck.where, ck.block), plan)
+            total = write_shards(ck, tmp, plan.shards, compute, err)
+            write_json(os.path.join(tmp, CONFIG_NAME), absorbed_config(ck, plan))
+            write_index(ck, tmp, plan.out_where, total)
+            copy_other_files(ck.root, tmp, others)
 
-        rows = verify(ck, plan, tmp, seed, err) if verify_layers else []
-        failed = [r for r in rows if not r["ok"]]
-        if failed:
-            r = failed[0]
-            raise VerificationError(
-                f"verification failed for {len(failed)} layer(s), first layer {r['layer']}: rel err "
-                f"{max(r.get('split', 0), r.get('fold', 0)):.3g} > bound {r['bound']:.3g}; "
-                f"nothing written to {out_dir}")
+            rows = verify(ck, plan, tmp, seed, err) if verify_layers else []
+            failed = [r for r in rows if not r["ok"]]
+            if failed:
+                r = failed[0]
+                errs = ", ".join(f"{k} {r[k]:.3g}" for k in ("split", "fold") if k in r)
+                raise VerificationError(
+                    f"verification failed for {len(failed)} layer(s), first layer {r['layer']}: "
+                    f"rel err {errs}, bound {r['bound']:.3g}")
+    except VerificationError as e:
+        raise VerificationError(f"{e}; nothing written to {out_dir}") from None
 
     n_copied = sum(t.copy_of is not None for ts in plan.shards.values() for t in ts)
     n_written = sum(t.compute is not None for ts in plan.shards.values() for t in ts)
@@ -398,7 +525,29 @@ def print_summary(s: dict, src: str, dst: str, out) -> None:
     print(f"  all {len(s['verify'])} layers agree with the original", file=out)
 
 
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
 def main(argv=None) -> int:
+    """The command line; returns the exit code. SIGTERM is handled like Ctrl-C while it runs (in
+    the main thread), so that either removes the temporary folder."""
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("absorb.py: error: interrupted (SIGINT); no partial output is left in OUT_DIR", file=sys.stderr)
+        return 130
+    except Terminated:
+        print("absorb.py: error: terminated (SIGTERM); no partial output is left in OUT_DIR", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _main(argv) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(prog="absorb.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -408,7 +557,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=list(OUT_DTYPES), default="bf16",
                     help="dtype of every tensor written (default bf16)")
     ap.add_argument("--layers", type=parse_layers, help="layers to absorb, e.g. 0-3,7 (default all)")
-    ap.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
+    ap.add_argument("--force", action="store_true",
+                    help="write into a non-empty OUT_DIR, replacing the files an earlier run wrote there "
+                         f"(listed in its {MANIFEST_NAME}); other checkpoint files there are refused")
     ap.add_argument("--no-verify", action="store_true", help="skip the per-layer verification")
     ap.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
     ap.add_argument("--demo", action="store_true",
@@ -433,6 +584,11 @@ def main(argv=None) -> int:
     except OSError as e:  # disk full, permissions while writing OUT_DIR
         print(f"absorb.py: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
+    except Exception:  # a bug: not "verification failed" (1), which Python's own exit code would say
+        traceback.print_exc()
+        print("absorb.py: internal error (the traceback above says where); nothing written",
+              file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

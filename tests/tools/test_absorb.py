@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -400,6 +401,24 @@ ERROR_CASES = [
     pytest.param(_garbage_header, "unreadable shard", id="garbage-header"),
     pytest.param(lambda root: os.remove(os.path.join(root, "model-00003-of-00003.safetensors")),
                  "unreadable shard", id="shard-file-gone"),
+    # config values of the wrong type: one line, exit 2 (not a traceback, which exits 1)
+    pytest.param(lambda root: _edit_json(root, "config.json", lambda c: c["quantization_config"].update(
+        weight_block_size=128)), "quantization_config.weight_block_size: expected two positive ints like "
+        "[128, 128], got 128", id="block-size-int"),
+    pytest.param(lambda root: _edit_json(root, "config.json", lambda c: c["quantization_config"].update(
+        weight_block_size=[128, True])), "weight_block_size: expected two positive ints", id="block-size-bool"),
+    pytest.param(lambda root: _edit_json(root, "config.json", lambda c: c["quantization_config"].update(
+        weight_block_size=["128", 128])), "weight_block_size: expected two positive ints", id="block-size-str"),
+    pytest.param(lambda root: _edit_json(root, "config.json", lambda c: c.update(
+        quantization_config=[{"weight_block_size": [128, 128]}])),
+        'quantization_config: expected a JSON object, got [{"weight_block_size": [128, 128]}]',
+        id="quantization-config-list"),
+    pytest.param(lambda root: _edit_json(root, "config.json", lambda c: c.update(num_attention_heads="4")),
+                 "config['num_attention_heads']: expected a positive int, got '4'", id="heads-str"),
+    pytest.param(lambda root: _edit_json(root, "config.json", lambda c: c.update(kv_lora_rank=list(range(10**5)))),
+                 "config['kv_lora_rank']: expected a positive int, got [0, 1, 2", id="rank-huge-list"),
+    pytest.param(lambda root: _edit_json(root, tool.INDEX_NAME, lambda c: c.update(metadata=[1, 2])),
+                 "'metadata': expected a JSON object, got [1, 2]", id="index-metadata-list"),
 ]
 
 
@@ -413,6 +432,7 @@ def test_bad_checkpoint_exits_2_and_writes_nothing(demo_ckpt, tmp_path, capsys, 
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("absorb.py: error: ") and msg in lines[0], err
+    assert len(lines[0]) < 400  # a wrong value is quoted, not dumped
     assert not out.exists()
 
 
@@ -431,7 +451,12 @@ def test_out_dir_not_empty_needs_force(demo_ckpt, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, msg", [
-    pytest.param(["--layers", "5"], "--layers: no layer [5] in the checkpoint (it has 0-1)", id="layer-absent"),
+    pytest.param(["--layers", "5"], "--layers: no layer 5 in the checkpoint (it has 0-1)", id="layer-absent"),
+    pytest.param(["--layers", "0-1,5-7,9"], "--layers: no layer 5-7,9 in the checkpoint (it has 0-1)",
+                 id="layers-absent-ranges"),
+    # ranges are checked as ranges: no list of ten million numbers, no 89 MB message
+    pytest.param(["--layers", "0-9999999"], "--layers: no layer 2-9999999 in the checkpoint (it has 0-1)",
+                 id="layers-huge-range"),
     pytest.param(["SAME"], "OUT_DIR is CHECKPOINT_DIR: write the absorbed checkpoint somewhere else",
                  id="out-is-in"),
 ])
@@ -459,6 +484,266 @@ def test_demo_runs_both_modes(capsys):
     assert "ragged last block 48x16" in printed
     assert "mode split, dtype bf16" in printed and "mode fold, dtype bf16" in printed
     assert printed.count("all 2 layers agree with the original") == 2
+
+
+# --------------------------------------------------------------------------------------------
+# NaN and inf: a checkpoint that holds them is refused, naming the tensor (exit 1, nothing written)
+# --------------------------------------------------------------------------------------------
+
+def _poison(root, name, fn):
+    """Apply fn to tensor `name` (as stored) in its shard, rewriting the shard."""
+    index = json.load(open(os.path.join(root, tool.INDEX_NAME)))
+    shard = index["weight_map"][name]
+    t = load_file(os.path.join(root, shard))[name]
+    _edit_shard(root, shard, add={name: fn(t.clone())})
+
+
+def _nan_at(i, j):
+    def go(t):
+        t[i, j] = float("nan")
+        return t
+    return go
+
+
+def _fp8_nan_byte(t):
+    b = t.view(torch.uint8)
+    b[3, 5] = 0x7F  # e4m3fn NaN
+    return b.view(torch.float8_e4m3fn)
+
+
+def _value(v):
+    def go(t):
+        t[0, 0] = v
+        return t
+    return go
+
+
+NAN_CASES = [
+    pytest.param(True, "model.layers.0.self_attn.kv_b_proj.weight_scale_inv", _nan_at(0, 0), "split", [],
+                 "model.layers.0.self_attn.kv_b_proj.weight_scale_inv: 1 of 4 values are NaN or inf, "
+                 "the first at [0, 0]", id="nan-kv_b-scale-split"),
+    pytest.param(True, "model.layers.1.self_attn.o_proj.weight", _fp8_nan_byte, "split", [],
+                 "model.layers.1.self_attn.o_proj.weight: 1 of ", id="nan-fp8-byte-o_proj-split"),
+    pytest.param(True, "model.layers.1.self_attn.o_proj.weight", _fp8_nan_byte, "fold", [],
+                 "model.layers.1.self_attn.o_proj.weight: 1 of ", id="nan-fp8-byte-o_proj-fold"),
+    pytest.param(True, "model.layers.0.self_attn.q_b_proj.weight_scale_inv", _value(float("inf")), "fold", [],
+                 "model.layers.0.self_attn.q_b_proj.weight_scale_inv: 1 of ", id="inf-q-scale-fold"),
+    pytest.param(True, "model.layers.0.self_attn.kv_b_proj.weight_scale_inv", _value(3e38), "split", [],
+                 "model.layers.0.self_attn.kv_b_proj.weight dequantized with "
+                 "model.layers.0.self_attn.kv_b_proj.weight_scale_inv: ", id="overflow-dequantized"),
+    pytest.param(False, "model.layers.1.self_attn.kv_b_proj.weight", _value(float("-inf")), "split", [],
+                 "model.layers.1.self_attn.kv_b_proj.weight: 1 of ", id="inf-bf16-kv_b"),
+    pytest.param(True, "model.layers.0.self_attn.kv_b_proj.weight_scale_inv", _nan_at(1, 1), "split",
+                 ["--no-verify"], "model.layers.0.self_attn.kv_b_proj.weight_scale_inv: 1 of ",
+                 id="nan-kv_b-scale-no-verify"),
+]
+
+
+@pytest.mark.parametrize("fp8, name, poison, mode, extra, msg", NAN_CASES)
+def test_nan_or_inf_in_a_weight_fails_naming_it(demo_ckpt, tmp_path, capsys, fp8, name, poison, mode,
+                                                extra, msg):
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(demo_ckpt(fp8, 200 if fp8 else None), root)
+    _poison(root, name, poison)
+    out = tmp_path / "out"
+    rc, printed, err = run_tool(capsys, root, out, "--mode", mode, *extra)
+    lines = err.strip().splitlines()
+    assert rc == 1, err
+    assert lines[-1].startswith(f"absorb.py: error: {msg}") and lines[-1].endswith(f"nothing written to {out}"), \
+        lines[-1]
+    assert "agree" not in printed and not out.exists()
+
+
+def test_nan_in_a_computed_tensor_fails_naming_it(demo_ckpt, tmp_path, capsys, monkeypatch):
+    """A fold that produces NaN (here: forced) is refused before it is written, under its name."""
+    real = tool.fold_o_proj
+
+    def nan_fold(wo, w_uv, **kw):
+        out = real(wo, w_uv, **kw)
+        out[7, 9] = float("nan")
+        return out
+    monkeypatch.setattr(tool, "fold_o_proj", nan_fold)
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, _, err = run_tool(capsys, demo_ckpt(), out, "--mode", "fold", "--no-verify")
+    assert rc == 1
+    assert err.strip().splitlines()[-1].startswith(
+        "absorb.py: error: model.layers.0.self_attn.o_proj.weight (computed in bf16): 1 of "), err
+    assert os.listdir(out) == []
+
+
+def test_verification_needs_a_finite_error_under_a_finite_bound(demo_ckpt, tmp_path, capsys, monkeypatch):
+    """Layer outputs that come out non-finite, the original's included, give an error of inf and a
+    bound (4x the original's rounding error) of inf: inf <= inf must not pass the layer."""
+    for fn in ("layer_output_unabsorbed", "layer_output_split"):
+        real = getattr(tool, fn)
+        monkeypatch.setattr(tool, fn, lambda *a, _real=real, **kw: torch.full_like(_real(*a, **kw), float("nan")))
+    rc, _, err = run_tool(capsys, demo_ckpt(), tmp_path / "out")
+    assert rc == 1 and "verification failed for 2 layer(s)" in err
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# --force: a rerun replaces exactly what the tool wrote before, and nothing else
+# --------------------------------------------------------------------------------------------
+
+def _single_file_checkpoint(root):
+    """The demo in one shard without an index (as a small Hugging Face model is stored)."""
+    tool.build_demo_checkpoint(root, num_shards=1)
+    os.remove(os.path.join(root, tool.INDEX_NAME))
+    return root
+
+
+def _assert_consistent(out):
+    """The folder is one checkpoint: the index (if any) names exactly the shards present, and every
+    tensor where it says; config.json says how it was made."""
+    shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    if os.path.exists(os.path.join(out, tool.INDEX_NAME)):
+        wm = json.load(open(os.path.join(out, tool.INDEX_NAME)))["weight_map"]
+        assert sorted(set(wm.values())) == shards
+        for fn in shards:
+            with safe_open(os.path.join(out, fn), "pt") as f:
+                assert set(f.keys()) == {k for k, v in wm.items() if v == fn}
+    else:
+        assert len(shards) == 1
+    return json.load(open(os.path.join(out, "config.json")))["openmla_absorbed"]
+
+
+def test_force_replaces_the_earlier_run_and_keeps_other_files(demo_ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    rc, _, err = run_tool(capsys, demo_ckpt(), out, "--force")
+    assert rc == 0, err
+    first = set(os.listdir(out))
+    assert {"notes.txt", tool.MANIFEST_NAME, tool.INDEX_NAME, "model-00003-of-00003.safetensors"} <= first
+    manifest = json.load(open(out / tool.MANIFEST_NAME))
+    assert manifest["complete"] and set(manifest["files"]) == first - {"notes.txt", tool.MANIFEST_NAME}
+
+    # Same folder, another mode: config, index and shards all of the new run.
+    rc, _, err = run_tool(capsys, demo_ckpt(), out, "--force", "--mode", "fold")
+    assert rc == 0, err
+    assert _assert_consistent(out)["mode"] == "fold"
+
+    # A single-file checkpoint into the same folder: the three shards and the index go.
+    single = _single_file_checkpoint(str(tmp_path / "single"))
+    rc, _, err = run_tool(capsys, single, out, "--force")
+    assert rc == 0, err
+    assert sorted(os.listdir(out)) == sorted(["notes.txt", tool.MANIFEST_NAME, "config.json",
+                                              "generation_config.json", "model-00001-of-00001.safetensors"])
+    assert _assert_consistent(out)["mode"] == "split"
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("theirs", [
+    pytest.param("model.safetensors", id="stray-shard"),
+    pytest.param("config.json", id="their-config"),
+    pytest.param("model-00002-of-00003.safetensors", id="a-shard-name-the-run-writes"),
+    pytest.param(tool.INDEX_NAME, id="their-index"),
+])
+def test_force_refuses_checkpoint_files_it_did_not_write(demo_ckpt, tmp_path, capsys, theirs):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / theirs).write_text("not written by absorb.py")
+    rc, _, err = run_tool(capsys, demo_ckpt(), out, "--force")
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"{theirs} was not written by absorb.py" in lines[0], err
+    assert os.listdir(out) == [theirs] and (out / theirs).read_text() == "not written by absorb.py"
+
+
+def test_force_refuses_a_file_changed_since_it_was_written(demo_ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_tool(capsys, demo_ckpt(), out)[0] == 0
+    with open(out / "config.json", "a") as f:
+        f.write("\n")  # the user edited it
+    before = {p: (out / p).read_bytes() for p in os.listdir(out)}
+    rc, _, err = run_tool(capsys, demo_ckpt(), out, "--force", "--mode", "fold")
+    assert rc == 2 and "config.json changed since absorb.py wrote it" in err
+    assert {p: (out / p).read_bytes() for p in os.listdir(out)} == before
+
+
+def test_force_without_a_manifest_refuses(demo_ckpt, tmp_path, capsys):
+    """A folder holding a checkpoint that absorb.py did not record (here: a copy of the input)."""
+    out = tmp_path / "out"
+    shutil.copytree(demo_ckpt(), out)
+    rc, _, err = run_tool(capsys, demo_ckpt(), out, "--force")
+    assert rc == 2 and "were not written by absorb.py" in err
+    assert sorted(os.listdir(out)) == sorted(os.listdir(demo_ckpt()))
+
+
+# --------------------------------------------------------------------------------------------
+# Interrupted runs: SIGINT / SIGTERM clean up; a SIGKILL's leftovers are named, not kept silently
+# --------------------------------------------------------------------------------------------
+
+_SLOW_CHILD = r"""
+import sys, time
+from openmla.tools import absorb
+real = absorb.Computer.__call__
+def slow(self, layer, kind):  # the first shard is half written when the marker appears
+    open(sys.argv[3], "w").close()
+    time.sleep(120)
+    return real(self, layer, kind)
+absorb.Computer.__call__ = slow
+sys.exit(absorb.main([sys.argv[1], sys.argv[2]]))
+"""
+
+
+def _start_slow_run(src, out, marker):
+    import time
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_CHILD, src, str(out), str(marker)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not marker.exists():
+        assert p.poll() is None, p.communicate()
+        assert time.time() - t0 < 120, "the child never started writing"
+        time.sleep(0.05)
+    tmp = [n for n in os.listdir(out) if n.startswith(".absorb-tmp-")]
+    assert len(tmp) == 1 and os.listdir(out / tmp[0])  # mid-write: the staged folder has a shard
+    return p, tmp[0]
+
+
+@pytest.mark.parametrize("sig, code, word", [
+    pytest.param(signal.SIGTERM, 143, "terminated (SIGTERM)", id="SIGTERM"),
+    pytest.param(signal.SIGINT, 130, "interrupted (SIGINT)", id="SIGINT"),
+])
+def test_signal_mid_write_removes_the_temporary_folder(demo_ckpt, tmp_path, sig, code, word):
+    out = tmp_path / "out"
+    out.mkdir()
+    p, _ = _start_slow_run(demo_ckpt(), out, tmp_path / "marker")
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == code, err
+    assert err.strip().splitlines() == [f"absorb.py: error: {word}; no partial output is left in OUT_DIR"]
+    assert os.listdir(out) == []
+
+
+def test_sigkill_leftover_is_named_by_the_next_run(demo_ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    p, tmp = _start_slow_run(demo_ckpt(), out, tmp_path / "marker")
+    p.kill()
+    p.communicate(timeout=60)
+    for extra in ([], ["--force"]):
+        rc, _, err = run_tool(capsys, demo_ckpt(), out, *extra)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and f"holds {tmp}, the unverified output" in lines[0], err
+        assert f"rm -r {out / tmp}" in lines[0]
+        assert os.listdir(out) == [tmp]  # not deleted behind the user's back: a run may still own it
+    shutil.rmtree(out / tmp)
+    assert run_tool(capsys, demo_ckpt(), out)[0] == 0
+
+
+def test_main_restores_the_sigterm_handler(demo_ckpt, tmp_path, capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_tool(capsys, demo_ckpt(), tmp_path / "out", "--layers", "9")[0] == 2
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_parse_layers_keeps_ranges():
+    sel = tool.parse_layers("7, 0-3,2-5,9-9999999")
+    assert sel.ranges == ((0, 5), (7, 7), (9, 9999999))
+    assert 4 in sel and 6 not in sel and 9999999 in sel and 10**7 not in sel
+    assert sel.missing({0, 1, 2, 7, 10}) == [(3, 5), (9, 9), (11, 9999999)]
 
 
 # --------------------------------------------------------------------------------------------
