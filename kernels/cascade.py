@@ -31,7 +31,7 @@ from openmla.kernels.device import num_sms
 from openmla.kernels.merge import merge_attn_states
 from openmla.kernels.paged_attention import paged_attention
 from openmla.kernels.paged_attention.launch import SHORT_MAX_Q, SHORT_MAX_ROWS
-from openmla.quant.validate import check_tensor, fail
+from openmla.quant.validate import check_out, check_scale, check_tensor, fail
 from openmla.quant.kv_cache import LAYOUTS, cache_dims
 
 __all__ = ["cascade_attention"]
@@ -114,8 +114,9 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if num_prefix_blocks > M:
         fail("common_prefix_len", f"<= block_table columns * block_size = {M * page}",
              common_prefix_len)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # Checked here too: an empty batch returns before paged_attention would check them.
+    scale = check_scale("scale", scale)
+    out = check_out(out, q, D)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device) if return_lse else None
     if R == 0 or T == 0:
         out.zero_()

@@ -173,7 +173,7 @@ def flash_mla_with_kvcache(
              "is_fp8_kvcache, indices positionally where the signature has softmax_scale, causal, "
              "is_fp8_kvcache: pass them by keyword)", repr(softmax_scale))
     scale = (D_QK ** -0.5 if softmax_scale is None
-             else check_scale("softmax_scale", softmax_scale, positive=False))
+             else check_scale("softmax_scale", softmax_scale))
     if extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None:
         raise NotImplementedError("flash_mla_with_kvcache: extra_k_cache / extra_indices_in_kvcache / "
                                   "extra_topk_length are not supported by openmla")
@@ -255,9 +255,9 @@ def flash_mla_sparse_fwd(
             valid index (whose out is 0).
     """
     if sm_scale is None:  # FlashMLA's signature has no default for it
-        fail("sm_scale", "a finite positive float (flash_mla_sparse_fwd has no default; FlashMLA's "
+        fail("sm_scale", "a finite nonzero float (flash_mla_sparse_fwd has no default; FlashMLA's "
              f"tests pass d_qk ** -0.5 = {D_QK ** -0.5:.6g})", None)
-    scale = check_scale("sm_scale", sm_scale, positive=True)
+    scale = check_scale("sm_scale", sm_scale)
     if indexer_topk:
         raise NotImplementedError("flash_mla_sparse_fwd: indexer_topk > 0 (lse_indexer) is not supported "
                                   "by openmla")
@@ -267,7 +267,7 @@ def flash_mla_sparse_fwd(
     s_q = q.shape[0]
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, 1, D_QK), last_dim_contiguous=True)
     check_tensor("indices", indices, dtype=torch.int32, shape=(s_q, 1, None), last_dim_contiguous=True)
-    out, max_logits, lse = sparse_mla_prefill(q, kv.select(1, 0), indices.select(1, 0),
+    out, lse, max_logits = sparse_mla_prefill(q, kv.select(1, 0), indices.select(1, 0),
                                               scale=scale,
                                               topk_length=topk_length, attn_sink=attn_sink)
     return out, max_logits, lse.masked_fill_(lse == float("-inf"), float("inf"))

@@ -12,16 +12,29 @@ def fail(name: str, want, got) -> None:
     raise ValueError(f"{name}: expected {want}, got {got}")
 
 
-def check_scale(name: str, value, *, positive: bool) -> float:
-    """A softmax scale given as a host number: a real (not bool, not a tensor or string), finite,
-    and > 0 when `positive`. Returns it as a float; ValueError naming `name` otherwise."""
-    want = "a finite positive float" if positive else "a finite float"
+def check_scale(name: str, value) -> float:
+    """A softmax scale given as a host number, the one rule of every attention op
+    (kernels/__init__.py): a real (not bool, not a tensor or string), finite and nonzero (0 would
+    make every score equal, and the sparse prefill kernels, which keep the largest raw q.k, cannot
+    represent it). Returns it as a float; ValueError naming `name` otherwise."""
+    want = "a finite nonzero float"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         fail(name, want, repr(value))
     v = float(value)
-    if not math.isfinite(v) or (positive and v <= 0):
+    if not math.isfinite(v) or v == 0:
         fail(name, want, repr(value))
     return v
+
+
+def check_out(out, q: torch.Tensor, d_v: int) -> torch.Tensor:
+    """The `out=` argument of an attention op over q [T, H, *] (kernels/__init__.py): None
+    allocates [T, H, d_v] in q's dtype; a given tensor must have that shape and dtype and a
+    contiguous last dim (other strides free). Returns the tensor the op writes. Its device is
+    checked with the op's other tensors (check_same_device)."""
+    T, H = q.shape[0], q.shape[1]
+    if out is None:
+        return torch.empty((T, H, d_v), dtype=q.dtype, device=q.device)
+    return check_tensor("out", out, dtype=q.dtype, shape=(T, H, d_v), last_dim_contiguous=True)
 
 
 def check_tensor(

@@ -169,7 +169,7 @@ def _prefill_unpad(px: dict, raw) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _prefill_ours(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
     from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
-    out, _, lse = sparse_mla_prefill(x["q"], x["kv"], x["indices"], scale=x["scale"])
+    out, lse, _ = sparse_mla_prefill(x["q"], x["kv"], x["indices"], scale=x["scale"])
     return out, lse
 
 

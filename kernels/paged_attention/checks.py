@@ -7,7 +7,7 @@ import math
 import torch
 
 from openmla.kernels.paged_attention.launch import SHORT_MAX_Q, ScoreOptions
-from openmla.quant.validate import check_tensor, fail
+from openmla.quant.validate import check_out, check_scale, check_tensor, fail
 
 MAX_HEAD_DIM = 256
 _Q_DTYPES = (torch.bfloat16, torch.float16)
@@ -16,9 +16,7 @@ _Q_DTYPES = (torch.bfloat16, torch.float16)
 def check_score_options(H, scale, causal, window, softcap, alibi_slopes, alibi_sqrt,
                         sinks) -> ScoreOptions:
     """The score options of an op over H query heads, checked and normalised."""
-    scale = float(scale)
-    if not math.isfinite(scale):
-        fail("scale", "a finite float", scale)
+    scale = check_scale("scale", scale)
     if not (isinstance(window, (tuple, list)) and len(window) == 2
             and all(isinstance(w, int) and w >= -1 for w in window)):
         fail("window", "(left, right) ints >= -1 (-1: unbounded)", window)
@@ -34,14 +32,13 @@ def check_score_options(H, scale, causal, window, softcap, alibi_slopes, alibi_s
 
 
 def check_q_out(q, out, return_lse):
+    """q [T, H, D] and the outputs: out (`quant.validate.check_out`, D wide) and lse [T, H] fp32
+    when return_lse (else None: the kernel skips its store)."""
     check_tensor("q", q, dtype=_Q_DTYPES, ndim=3, last_dim_contiguous=True)
     T, H, D = q.shape
     if not 1 <= D <= MAX_HEAD_DIM:
         raise NotImplementedError(f"head size {D}: supported are 1..{MAX_HEAD_DIM}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        check_tensor("out", out, dtype=q.dtype, shape=(T, H, D), last_dim_contiguous=True)
+    out = check_out(out, q, D)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device) if return_lse else None
     return out, lse
 

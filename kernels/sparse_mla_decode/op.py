@@ -36,7 +36,7 @@ from openmla.kernels.sparse_mla_decode import sm90_kn as _kn
 from openmla.kernels.sparse_mla_decode.shared import finish_rows, head_f16_factor, pow2_at_least, sink_factor, split_range
 from openmla.kernels.merge import merge_finish, merge_step
 from openmla.kernels.device import num_sms
-from openmla.quant.validate import check_same_device, check_scale, check_tensor, fail
+from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
 from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA, mla_format_of
 
 LOG2E = 1.4426950408889634  # host: softmax scale -> log2-domain scale
@@ -460,11 +460,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(T,), contiguous=True)
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(H,), contiguous=True)
-    scale = check_scale("scale", scale, positive=False)
-    if out is None:
-        out = torch.empty((T, H, fmt.latent_dim), dtype=q.dtype, device=q.device)
-    else:
-        check_tensor("out", out, dtype=q.dtype, shape=(T, H, fmt.latent_dim), last_dim_contiguous=True)
+    scale = check_scale("scale", scale)
+    out = check_out(out, q, fmt.latent_dim)
     check_same_device(q=q, cache=cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                       out=out)
     lse = _sparse_mla_decode_op(q, cache, indices, topk_length, attn_sink, out, float(scale))

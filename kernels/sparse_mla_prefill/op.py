@@ -44,7 +44,7 @@ import triton.language as tl
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
 from openmla.kernels.sparse_mla_prefill.shared import finish_rows
-from openmla.quant.validate import check_same_device, check_scale, check_tensor, fail
+from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
 from openmla.quant.mla_formats import BF16_MLA
 
 D_LAT = BF16_MLA.latent_dim  # 512, also the value width
@@ -218,20 +218,19 @@ def sparse_mla_prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 # Launch
 # ---------------------------------------------------------------------------------------------
-def _launch(q, kv, indices, scale, topk_length, attn_sink):
-    """Allocate the outputs and run the kernel over (token, head block) programs."""
+def _launch(q, kv, indices, scale, topk_length, attn_sink, out):
+    """Run the kernel over (token, head block) programs, writing out; returns (lse, max_logits)."""
     T, H, _ = q.shape
     N, topk = kv.shape[0], indices.shape[1]
-    out = torch.empty((T, H, D_LAT), dtype=q.dtype, device=q.device)
     max_logits = torch.empty((T, H), dtype=torch.float32, device=q.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0 or H == 0:
-        return out, max_logits, lse
+        return lse, max_logits
     if _sm90.usable(q, kv):  # Hopper with Gluon, 16-byte rows
         sm90 = _kn if H <= _kn.MAX_HEADS else _sm90
         sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
                     D_LAT, D_ROPE)
-        return out, max_logits, lse
+        return lse, max_logits
     block_h = _block_h(H)
     num_hb = triton.cdiv(H, block_h)
     # Unused pointer arguments get a tensor of the right kind; the kernel never reads them.
@@ -247,26 +246,25 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink):
         OFF32=(N - 1) * kv.stride(0) + D_QK < 2 ** 31,
         D_LAT=D_LAT, D_ROPE=D_ROPE, BLOCK_H=block_h,
     )
-    return out, max_logits, lse
+    return lse, max_logits
 
 
-@torch.library.custom_op("openmla::sparse_mla_prefill", mutates_args=())
-def _sparse_mla_prefill_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
-                           topk_length: Optional[torch.Tensor], attn_sink: Optional[torch.Tensor]
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _launch(q, kv, indices, scale, topk_length, attn_sink)
+@torch.library.custom_op("openmla::sparse_mla_prefill", mutates_args=("out",))
+def _sparse_mla_prefill_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                           topk_length: Optional[torch.Tensor], attn_sink: Optional[torch.Tensor],
+                           out: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, kv, indices, scale, topk_length, attn_sink, out)
 
 
 @_sparse_mla_prefill_op.register_fake
-def _(q, kv, indices, scale, topk_length, attn_sink):
+def _(q, kv, indices, topk_length, attn_sink, out, scale):
     T, H, _ = q.shape
-    return (q.new_empty((T, H, D_LAT)), q.new_empty((T, H), dtype=torch.float32),
-            q.new_empty((T, H), dtype=torch.float32))
+    return q.new_empty((T, H), dtype=torch.float32), q.new_empty((T, H), dtype=torch.float32)
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float,
                        topk_length: Optional[torch.Tensor] = None,
-                       attn_sink: Optional[torch.Tensor] = None):
+                       attn_sink: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
     """Sparse MLA attention of prefill tokens over rows of a bf16 workspace.
 
     Args:
@@ -275,16 +273,17 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
             cache or the chunk workspace): latent 512 | rope 64; the latent is also the value.
         indices: [T, topk] int32 rows of kv, last dim contiguous; an index < 0 or >= N is
             invalid, skipped and never read.
-        scale: softmax scale (> 0) applied to q . k.
+        scale: softmax scale applied to q . k: any finite nonzero number.
         topk_length: [T] int32 or None: only the first topk_length[t] indices of row t count
             (values above topk mean topk, <= 0 means none).
         attn_sink: [H] fp32 or None: out *= exp(lse) / (exp(lse) + exp(sink[h])); lse unchanged.
+        out: optional [T, H, 512] bf16 to write into (last dim contiguous).
 
-    Returns:
+    Returns (the order of every attention op, kernels/__init__.py):
         out: [T, H, 512] bf16, the softmax-weighted sum of latent rows.
-        max_logits: [T, H] fp32, max over valid j of scale * q . k_j.
         lse: [T, H] fp32, natural-log sum of exp(scale * q . k_j).
-        A row with no valid index gives out = 0, max_logits = -inf, lse = -inf.
+        max_logits: [T, H] fp32, max over valid j of scale * q . k_j.
+        A row with no valid index gives out = 0, lse = -inf, max_logits = -inf.
     """
     check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, D_QK), last_dim_contiguous=True)
     T, H, _ = q.shape
@@ -296,8 +295,13 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(T,), contiguous=True)
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(H,), contiguous=True)
-    check_same_device(q=q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
-    # > 0: the kernels keep the running max of the unscaled q . k and scale it afterwards, which
-    # is the max of scale * q . k only for a positive scale.
-    scale = check_scale("scale", scale, positive=True)
-    return _sparse_mla_prefill_op(q, kv, indices, scale, topk_length, attn_sink)
+    scale = check_scale("scale", scale)
+    out = check_out(out, q, D_LAT)
+    check_same_device(q=q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+                      out=out)
+    if scale < 0:
+        # The kernels keep the running max of the unscaled q . k and scale it afterwards, which is
+        # the max of scale * q . k only for scale > 0: -scale * (-q) . k is the same score (exact).
+        q, scale = -q, -scale
+    lse, max_logits = _sparse_mla_prefill_op(q, kv, indices, topk_length, attn_sink, out, scale)
+    return out, lse, max_logits

@@ -217,8 +217,7 @@ class SparseMLAImpl:
                 idx = convert_req_index_to_global(
                     plan.req_id_per_token[t0:t1], plan.block_table, topk_indices[t0:t1], bs,
                     workspace=(ch.workspace_request_ids, ch.workspace_starts))
-                o, _, _ = sparse_mla_prefill(q[t0:t1], ws[:ch.num_rows], idx, scale=self.scale)
-                out[t0:t1] = o
+                sparse_mla_prefill(q[t0:t1], ws[:ch.num_rows], idx, scale=self.scale, out=out[t0:t1])
         if plan.num_padding_tokens > 0:
             out[T - plan.num_padding_tokens:] = 0
         return out

@@ -77,7 +77,7 @@ def build(c: Case, seed: int):
 def check(c: Case, request):
     seed = zlib.crc32(request.node.name.encode())
     a = build(c, seed)
-    out, max_logits, lse = sparse_mla_prefill(a["q"], a["kv"], a["indices"], scale=c.scale,
+    out, lse, max_logits = sparse_mla_prefill(a["q"], a["kv"], a["indices"], scale=c.scale,
                                               topk_length=a["topk_length"], attn_sink=a["attn_sink"])
     want_out, want_ml, want_lse = sparse_mla_ref(a["q"], a["kv"], a["indices"], scale=c.scale,
                                                  topk_length=a["topk_length"], attn_sink=a["attn_sink"])
@@ -170,6 +170,10 @@ def test_lengths_and_sinks(case, request):
 LAYOUT_AND_SCALE = [
     pytest.param(Case(T=3, H=16, topk=128, scale=0.3), id="T3-H16-topk128-scale0.3"),
     pytest.param(Case(T=2, H=64, topk=50, scale=1.0), id="T2-H64-topk50-scale1"),
+    # a negative scale: the kernels keep the raw q.k max, so the op runs them on -q
+    pytest.param(Case(T=3, H=16, topk=50, scale=-0.05, sink=True, invalid=0.2),
+                 id="T3-H16-topk50-negative-scale-sink-invalid"),
+    pytest.param(Case(T=2, H=64, topk=128, scale=-0.3, lengths=True), id="T2-H64-topk128-negative-scale-len"),
     pytest.param(Case(T=3, H=16, topk=50, row_stride=640, q_heads_stride=3),
                  id="T3-H16-topk50-kvstride640-qstrided"),
     pytest.param(Case(T=2, H=64, topk=128, row_stride=600, invalid=0.2), id="T2-H64-topk128-kvstride600"),
@@ -244,14 +248,15 @@ def test_sm90_kn_kernel_compiles(block_h):
 def test_custom_op_and_fake():
     c = Case(T=2, H=5, topk=50)
     a = build(c, 1)
-    got = torch.ops.openmla.sparse_mla_prefill(a["q"], a["kv"], a["indices"], 0.1, None, None)
+    out = torch.full((2, 5, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = torch.ops.openmla.sparse_mla_prefill(a["q"], a["kv"], a["indices"], None, None, out, 0.1)
     want = sparse_mla_prefill(a["q"], a["kv"], a["indices"], scale=0.1)
-    for g, w in zip(got, want):
+    for g, w in zip((out, *got), want):
         assert torch.equal(g, w)
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fq, fkv, fidx = (mode.from_tensor(t) for t in (a["q"], a["kv"], a["indices"]))
-        out, ml, lse = sparse_mla_prefill(fq, fkv, fidx, scale=0.1)
+        out, lse, ml = sparse_mla_prefill(fq, fkv, fidx, scale=0.1)
     assert out.shape == (2, 5, 512) and out.dtype == torch.bfloat16
     assert ml.shape == lse.shape == (2, 5) and ml.dtype == lse.dtype == torch.float32
 
