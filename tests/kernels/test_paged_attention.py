@@ -6,7 +6,7 @@ q is a non-contiguous view, the softmax scale is not 1/sqrt(D), and a few paddin
 the last request. The oracle reads the same bf16/fp16/fp8 values as the kernel, so bf16
 tolerances (vLLM's: atol 1.5e-2, rtol 1e-2) apply to fp8 caches too. The Done-when (q_len,
 kv_len) pairs run at full length everywhere; in the other groups the CPU shrinks kv lengths to
-about 300 (`_kv`) to keep the interpreter fast. Every kind of case runs on the CPU; only the
+about 300 (`kv_len`) to keep the interpreter fast. Every kind of case runs on the CPU; only the
 full-size sweeps at the end are GPU-only.
 """
 import math
@@ -16,81 +16,8 @@ import torch
 
 from openmla.kernels.paged_attention import paged_attention, varlen_attention
 from openmla.kernels.reference import attention_varlen_ref, paged_attention_ref
-from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, INTERPRET, assert_close, put_rows
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _kv(n: int) -> int:
-    """kv length of a case: as written on the GPU, cut to <= 300 under the interpreter."""
-    return n if not INTERPRET else min(n, 300 + n % 7)
-
-
-def _caches(num_blocks, bs, H_kv, D, cache_dtype, layout, *, extra_rows=1, used_blocks=None):
-    """K and V caches as strided views of NaN-filled backings with hidden rows in every block.
-
-    With used_blocks (a huge cache), only those blocks are filled: the rest of the backing stays
-    untouched virtual memory, so a 2^31-element cache costs a few pages."""
-    rows = bs + extra_rows
-    shape = (num_blocks, rows, H_kv, D) if layout == "NHD" else (num_blocks, H_kv, rows, D)
-    out = []
-    for _ in range(2):
-        backing = torch.empty(shape, dtype=cache_dtype, device=DEVICE)
-        region = backing if used_blocks is None else backing[used_blocks]
-        region.view(torch.uint8).fill_(0x7F) if cache_dtype == torch.float8_e4m3fn else region.fill_(float("nan"))
-        if used_blocks is not None:
-            backing[used_blocks] = region
-        out.append(backing[:, :bs] if layout == "NHD" else backing[:, :, :bs])
-    return out
-
-
-def build(seqs, H, H_kv, D, bs, *, dtype="bf16", cache="same", layout="NHD", pad_rows=2,
-          big_cache=False, q_mult=1.0, seed=0):
-    """A batch: requests (q_len, kv_len), paged caches with their K/V written, q, metadata."""
-    g = torch.Generator().manual_seed(seed)
-    qdt = DTYPES[dtype]
-    cdt = torch.float8_e4m3fn if cache == "fp8" else qdt
-    R = len(seqs)
-    nblk = [math.ceil(kv / bs) for _, kv in seqs]
-    M = max(nblk + [0]) + 1  # one column more than any request needs
-    need = sum(nblk)
-    if big_cache:  # block ids at the top of a 32768-block cache: block * stride overflows int32
-        num_blocks = 32768
-        ids = num_blocks - 1 - torch.randperm(need, generator=g)
-    else:
-        num_blocks = need + 3  # spare blocks nobody references (NaN)
-        ids = torch.randperm(num_blocks, generator=g)[:need]
-    table = torch.empty(R, M, dtype=torch.int32)
-    table[:, 0::2], table[:, 1::2] = INT32_MAX, -7  # unused entries: invalid, never to be read
-    pos = 0
-    for r, n in enumerate(nblk):
-        table[r, :n] = ids[pos:pos + n].to(torch.int32)
-        pos += n
-    used = ids.to(DEVICE) if big_cache else None
-    # A big cache's blocks are 65600+ elements apart (as if 60 layers were interleaved).
-    extra = max(1, math.ceil(65600 / (H_kv * D)) - bs) if big_cache else 1
-    kc, vc = _caches(num_blocks, bs, H_kv, D, cdt, layout, extra_rows=extra, used_blocks=used)
-    k_scale = v_scale = None
-    if cache == "fp8":
-        # Stored values span the e4m3 range (x 40); the scales bring them back to model scale.
-        k_scale = torch.tensor([0.027], device=DEVICE)
-        v_scale = torch.tensor([0.019], device=DEVICE)
-    for r, (_, kv) in enumerate(seqs):
-        p = torch.arange(kv)
-        blk, off = table[r, p // bs].long().to(DEVICE), (p % bs).to(DEVICE)
-        k = torch.randn(kv, H_kv, D, generator=g).to(DEVICE)
-        v = torch.randn(kv, H_kv, D, generator=g).to(DEVICE)
-        if cache == "fp8":  # values spread over the e4m3 range before the per-tensor scale
-            k, v = k * 40, v * 40
-        put_rows(kc, layout, blk, off, k.to(cdt))
-        put_rows(vc, layout, blk, off, v.to(cdt))
-    T = sum(q for q, _ in seqs)
-    wide = torch.randn(T + pad_rows, H, D + 24, generator=g) * q_mult
-    q = wide.to(qdt).to(DEVICE)[:, :, 8:8 + D]  # token and head strides of a wider tensor
-    cu = torch.tensor([0] + [q for q, _ in seqs], dtype=torch.int32).cumsum(0).to(torch.int32)
-    lens = torch.tensor([kv for _, kv in seqs], dtype=torch.int32)
-    return dict(q=q, k_cache=kc, v_cache=vc, block_table=table.to(DEVICE), cu_seqlens_q=cu.to(DEVICE),
-                seq_lens=lens.to(DEVICE), k_scale=k_scale, v_scale=v_scale, layout=layout)
+from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, assert_close
+from tests.helpers.kernels import build, kv_len
 
 
 def run_case(b, H, *, alibi=False, alibi_sqrt=False, sinks=False, num_splits=None,
@@ -158,7 +85,7 @@ FEATURES = [  # (seqs, H, H_kv, D, bs, build options, run options)
 
 @pytest.mark.parametrize("seqs,H,H_kv,D,bs,bopts,opts", FEATURES)
 def test_features(seqs, H, H_kv, D, bs, bopts, opts):
-    seqs = [(q, _kv(kv)) for q, kv in seqs]
+    seqs = [(q, kv_len(kv)) for q, kv in seqs]
     run_case(build(seqs, H, H_kv, D, bs, **bopts), H, **opts)
 
 
@@ -178,7 +105,7 @@ FORMATS = [  # (seqs, H, H_kv, D, bs, build options)
 
 @pytest.mark.parametrize("seqs,H,H_kv,D,bs,bopts", FORMATS)
 def test_formats(seqs, H, H_kv, D, bs, bopts):
-    seqs = [(q, _kv(kv)) for q, kv in seqs]
+    seqs = [(q, kv_len(kv)) for q, kv in seqs]
     run_case(build(seqs, H, H_kv, D, bs, **bopts), H)
 
 
@@ -187,13 +114,13 @@ def test_formats(seqs, H, H_kv, D, bs, bopts):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_splits", [1, 2, 5, None], ids=lambda s: f"splits-{s}")
 def test_split_kv_decode(num_splits):
-    seqs = [(1, _kv(1328)), (1, 17), (1, 1)]
+    seqs = [(1, kv_len(1328)), (1, 17), (1, 1)]
     run_case(build(seqs, 8, 2, 64, 16), 8, num_splits=num_splits)
 
 
 def test_split_kv_forced_on_long_queries():
     """Splitting keys is exact for any query length (chunked prefill over a long context)."""
-    run_case(build([(40, _kv(500)), (33, 60)], 8, 2, 64, 16), 8, num_splits=3, window=(200, 0))
+    run_case(build([(40, kv_len(500)), (33, 60)], 8, 2, 64, 16), 8, num_splits=3, window=(200, 0))
 
 
 def test_split_kv_more_splits_than_tiles():
@@ -214,13 +141,13 @@ def test_every_tile_shape(tile, monkeypatch):
     bm, bn, w, s, streams = tile
     cfg = pa._config(bm, bn, w, s, streams=streams)
     monkeypatch.setattr(pa.paged_attention_kernel, "configs", [cfg])  # one config: no tuning
-    mixed = build([(1, _kv(300)), (5, 18), (70, 150)], 8, 2, 80, 16)
+    mixed = build([(1, kv_len(300)), (5, 18), (70, 150)], 8, 2, 80, 16)
     run_case(mixed, 8, window=(99, 0), sinks=True)
-    decode = build([(1, _kv(400)), (2, 70)], 8, 2, 64, 16)
+    decode = build([(1, kv_len(400)), (2, 70)], 8, 2, 64, 16)
     run_case(decode, 8, num_splits=3, softcap=20.0)
     # Short queries with every score option (streams: masked tiles at both window edges, the sink
     # counted once across streams, a page size that does not divide the tile).
-    spec = build([(3, _kv(333)), (1, 45), (2, 2)], 6, 3, 80, 24)
+    spec = build([(3, kv_len(333)), (1, 45), (2, 2)], 6, 3, 80, 24)
     run_case(spec, 6, window=(150, 0), sinks=True, alibi=True, alibi_sqrt=True, num_splits=2)
 
 
@@ -248,7 +175,7 @@ def test_corners(seqs, H, H_kv, D, bs, opts):
 def test_window_never_reads_blocks_behind_it(num_splits):
     """vLLM frees blocks that slid out of every query's window and points their table entries
     at a null block: the result must not change when those entries lead to NaN rows."""
-    seqs, bs, left = [(3, _kv(400)), (1, 90)], 16, 40
+    seqs, bs, left = [(3, kv_len(400)), (1, 90)], 16, 40
     b = build(seqs, 4, 2, 64, bs)
     want, want_lse = paged_attention_ref(**b, scale=0.2, window=(left, 0))
     used = set(b["block_table"].flatten().tolist())
@@ -289,7 +216,7 @@ def test_invalid_block_ids_are_skipped_not_read():
 def test_invalid_block_ids_inside_a_long_causal_query():
     """A long query's interior key tiles skip masking; an invalid block id there must send the
     range to the masked path (dropping those keys), never to an out-of-bounds read."""
-    kv = _kv(2000)
+    kv = kv_len(2000)
     b = build([(70, kv), (40, 120)], 8, 2, 64, 16)
     table = b["block_table"].clone()
     table[0, 2], table[0, 5] = -1, INT32_MAX
@@ -313,7 +240,7 @@ def test_invalid_block_ids_inside_a_long_causal_query():
 
 @pytest.mark.parametrize("D", [64, 80])
 def test_negative_scale_long_and_short_queries(D):
-    b = build([(70, _kv(2000)), (1, 90), (33, 33)], 8, 2, D, 16)
+    b = build([(70, kv_len(2000)), (1, 90), (33, 33)], 8, 2, D, 16)
     run_case(b, 8, scale=-0.09)
     run_case(b, 8, scale=-0.09, window=(50, 0), sinks=True)
 
@@ -337,7 +264,7 @@ def test_block_ids_of_a_32768_block_cache(cache):
     """Blocks near the top of a 32768-block cache with a 65600-element block stride: block *
     stride exceeds 2^31, so 32-bit offsets would read the wrong rows. The backing is 2^31+
     elements of lazily committed memory; only the used blocks are ever touched."""
-    b = build([(1, _kv(700)), (9, 100)], 2, 1, 64, 16, cache=cache, big_cache=True)
+    b = build([(1, kv_len(700)), (9, 100)], 2, 1, 64, 16, cache=cache, big_cache=True)
     kc = b["k_cache"]
     assert kc.shape[0] == 32768 and kc.stride(0) * (kc.shape[0] - 1) > 2**31
     run_case(b, 2)

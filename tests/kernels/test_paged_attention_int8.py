@@ -1,7 +1,7 @@
 """kernels.paged_attention over int8 caches (issue 8): int8_qkv and int8_qk.
 
 The caches are built by the torch quantizers of `quant/int8.py` from the adversarial bf16 batches
-of tests/kernels/test_paged_attention.py (strided views, shuffled block tables, invalid unused entries,
+of tests.helpers.kernels.build (strided views, shuffled block tables, invalid unused entries,
 padding rows): unwritten rows hold the byte -128 (the quantizer never produces it) and NaN K
 scales, so reading one shows. The oracle (`paged_attention_ref` with int8 caches) quantizes q by
 the same rule and computes in float64 from the same int8 values and scales, so bf16 tolerances
@@ -19,7 +19,7 @@ from openmla.quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_
                         quantize_per_token_head_ref)
 from openmla.quant.kv_cache import cache_dims, write_kv_cache
 from tests.helpers import DEVICE, GPU_ONLY, assert_close, paged_batch
-from tests.kernels.test_paged_attention import _kv, build
+from tests.helpers.kernels import build, kv_len
 
 POISON = -128  # never written by the int8 quantizers (they clamp to +-127)
 
@@ -103,7 +103,7 @@ CASES = [  # (seqs, H, H_kv, D, bs, build options, run options)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seqs,H,H_kv,D,bs,bopts,opts", CASES)
 def test_int8_matches_oracle(mode, seqs, H, H_kv, D, bs, bopts, opts):
-    seqs = [(q, _kv(kv)) for q, kv in seqs]
+    seqs = [(q, kv_len(kv)) for q, kv in seqs]
     run_int8(to_int8(build(seqs, H, H_kv, D, bs, **bopts), mode), H, **opts)
 
 
@@ -113,7 +113,7 @@ def test_written_by_write_kv_cache(mode):
     (Triton writer), paged_attention reads them; the oracle reads the same caches."""
     g = torch.Generator().manual_seed(5)
     H, H_kv, D, bs, nb = 8, 2, 64, 16, 24
-    lens = [_kv(150), 40]
+    lens = [kv_len(150), 40]
     kc = torch.full((nb, bs, H_kv, D), POISON, dtype=torch.int8, device=DEVICE)
     vdt = torch.int8 if mode == "int8_qkv" else torch.bfloat16
     vc = torch.full((nb, bs, H_kv, D), POISON if vdt == torch.int8 else float("nan"), dtype=vdt,
@@ -137,7 +137,7 @@ def test_written_by_write_kv_cache(mode):
 def test_q_quantization_is_per_token_and_head():
     """Scaling one (token, head) row of q by 2^k changes only that row's int8 scale, so its
     output equals attention with that row's softmax scale times 2^k (exact in the int8 domain)."""
-    b = to_int8(build([(3, _kv(200))], 4, 2, 64, 16, pad_rows=0), "int8_qkv")
+    b = to_int8(build([(3, kv_len(200))], 4, 2, 64, 16, pad_rows=0), "int8_qkv")
     q = b["q"].clone()
     q[1, 2] *= 8.0  # a power of two: the quantized row is identical, its scale 8x
     got = paged_attention(**{**b, "q": q}, scale=0.05)
@@ -160,7 +160,7 @@ def _rel_l2(got, want):
 def test_error_against_bf16_gaussian(mode, bound):
     """Gaussian K/V (decode over 1-2k keys, GQA 4): measured rel L2 ~1.2e-2 (int8_qkv) and
     ~0.9e-2 (int8_qk) in float64 (docs/accuracy.md); the bound leaves room for seeds."""
-    seqs = [(1, _kv(2000)), (1, _kv(1500)), (2, 700)]
+    seqs = [(1, kv_len(2000)), (1, kv_len(1500)), (2, 700)]
     b = build(seqs, 8, 2, 128, 16)
     want = paged_attention_ref(**b, scale=128 ** -0.5)[0]
     got = paged_attention(**to_int8(b, mode), scale=128 ** -0.5)
@@ -206,7 +206,7 @@ def test_error_against_bf16_outlier_channels(mode):
     Per-token K scales alone cannot (measured 0.27-0.51 in docs/accuracy.md, > 0.1 here): the
     outlier channel sets each key's scale. With per-channel K smoothing calibrated on the keys and
     a few queries (quant.int8.calibrate_k_smooth) it holds."""
-    seqs = [(1, _kv(2000)), (1, _kv(1500)), (2, 700)]
+    seqs = [(1, kv_len(2000)), (1, kv_len(1500)), (2, 700)]
     T = sum(q for q, _ in seqs)
     b = _outlier_batch(seqs, 8, 2, 128)
     want = paged_attention_ref(**b, scale=128 ** -0.5)[0][:T]
@@ -228,7 +228,7 @@ SMOOTH = [  # (seqs, H, H_kv, D, bs, build options, run options)
 @pytest.mark.parametrize("seqs,H,H_kv,D,bs,bopts,opts", SMOOTH)
 def test_k_smooth_matches_oracle(mode, seqs, H, H_kv, D, bs, bopts, opts):
     """The kernel multiplies q by the factors of its KV head before quantizing, as the oracle."""
-    seqs = [(q, _kv(kv)) for q, kv in seqs]
+    seqs = [(q, kv_len(kv)) for q, kv in seqs]
     g = torch.Generator().manual_seed(8)
     f = (torch.rand(H_kv, D, generator=g) * 8 + 0.125).to(DEVICE)  # 0.125..8.125, not powers of 2
     run_int8(to_int8(build(seqs, H, H_kv, D, bs, **bopts), mode, k_smooth=f), H, **opts)
@@ -254,7 +254,7 @@ def test_key_streams_match_oracle(mode, streams, bn, seqs, H, H_kv, D, bs, bopts
     import openmla.kernels.paged_attention.kernel as pa
     cfg = pa._config(16, bn, streams, 3, streams=streams)
     monkeypatch.setattr(pa.paged_attention_kernel, "configs", [cfg])  # one config: no tuning
-    seqs = [(q, _kv(kv)) for q, kv in seqs]
+    seqs = [(q, kv_len(kv)) for q, kv in seqs]
     f = (torch.rand(H_kv, D, generator=torch.Generator().manual_seed(9)) * 4 + 0.3).to(DEVICE)
     run_int8(to_int8(build(seqs, H, H_kv, D, bs, **bopts), mode, k_smooth=f), H, **opts)
     assert pa.paged_attention_kernel.best_config.kwargs["STREAMS"] == streams
