@@ -7,6 +7,8 @@ Each part holds an output normalized over its own keys and the natural-log denom
 
 An lse of +inf or -inf marks an empty part (FlashAttention reports +inf for an empty split): it
 is ignored whatever its out holds, NaN included. Both parts empty gives out = 0, lse = -inf.
+Faults stay visible (DESIGN.md): a non-empty part whose lse is NaN, or whose out holds a NaN or
+inf, makes the merged row NaN, out and lse.
 
 `merge_step` is the one place this maths lives in Triton: `merge_attn_states_kernel` folds two
 parts with it and the split-KV reduction of `kernels.paged_attention` folds any number of parts.
@@ -19,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from openmla.kernels.softmax import row_faults
 from openmla.quant.validate import check_same_device, check_tensor
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -30,7 +33,8 @@ def merge_step(acc, m_i, l_i, b_out, b_lse):
 
     acc [BH, BD]: sum of exp(lse_p - m_i) * out_p over the parts so far; m_i [BH]: their largest
     lse (-inf while all were empty); l_i [BH]: sum of exp(lse_p - m_i). b_out [BH, BD], b_lse [BH]:
-    the new part. Returns the new (acc, m_i, l_i).
+    the new part. Returns the new (acc, m_i, l_i). A NaN lse is not empty: its weight is NaN, so
+    l_i turns NaN and stays NaN (merge_finish reports it).
     """
     m_empty = (b_lse == float("inf")) | (b_lse == float("-inf"))
     b_lse = tl.where(m_empty, float("-inf"), b_lse)
@@ -46,10 +50,14 @@ def merge_step(acc, m_i, l_i, b_out, b_lse):
 
 @triton.jit
 def merge_finish(acc, m_i, l_i):
-    """(out [BH, BD], lse [BH]) of a merge state; out = 0, lse = -inf when every part was empty."""
-    has = l_i > 0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    """(out [BH, BD], lse [BH]) of a merge state; out = 0, lse = -inf when every part was empty
+    (l_i exactly 0). A NaN l_i (a part with a NaN lse) or a non-finite element of acc (a part
+    whose out held a NaN or inf) gives NaN for the whole row, out and lse."""
+    empty = l_i == 0.0
+    one = tl.where(empty, 1.0, l_i)
+    bad = row_faults(acc)
+    inv = tl.where(empty, 0.0, 1.0 / one) + bad
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(one)) + bad
     return acc * inv[:, None], lse
 
 
@@ -129,8 +137,9 @@ def merge_attn_states(out: torch.Tensor, a_out: torch.Tensor, a_lse: torch.Tenso
             whatever its out holds (NaN included).
         out_lse: [T, H] fp32 or None; when given, receives log(exp(a_lse) + exp(b_lse)).
 
-    Both parts empty gives out = 0 and lse = -inf, never NaN. The maths runs in fp32; out is
-    rounded once to its dtype. `out` may be one of the inputs (each element is read before it
+    Both parts empty gives out = 0 and lse = -inf, never NaN. A non-empty part with a NaN lse or
+    a NaN or inf in its out makes the row's out and lse NaN (faults stay visible). The maths runs
+    in fp32; out is rounded once to its dtype. `out` may be one of the inputs (each element is read before it
     is written, by the same program).
     """
     check_tensor("out", out, dtype=_FLOATS, ndim=3, last_dim_contiguous=True)

@@ -9,6 +9,9 @@ Conventions shared by every oracle here:
     (no counted key, no sink) has out = 0 and lse = -inf, never NaN.
   * Cache rows that no counted index / in-range position selects are never used, so NaN in
     unused cache rows (the tests' adversarial fill) cannot reach a result.
+  * Faults stay visible (DESIGN.md): a NaN or inf in a score or value of a key a row counts (q or
+    the key itself) makes that row's out, lse (and max_logits) NaN; a row that counts no key is
+    empty whatever its q holds.
   * Host syncs are fine here (these are oracles, not run paths): lengths are read with .tolist().
 """
 from __future__ import annotations
@@ -53,6 +56,12 @@ def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None):
     return torch.exp(s - denom.unsqueeze(-1)), lse_keys
 
 
+def _nan_faults(bad: torch.Tensor, *outs: torch.Tensor) -> None:
+    """Set the rows where bad [...] is True to NaN in each output ([...] or [..., D]), in place."""
+    for o in outs:
+        o.masked_fill_(bad.unsqueeze(-1) if o.dim() > bad.dim() else bad, float("nan"))
+
+
 def _as_float(name: str, x) -> float:
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
@@ -85,6 +94,8 @@ def sparse_mla_ref(q, kv, indices, *, scale, topk_length=None, attn_sink=None, d
         out: [T, H, d_v] softmax(s) @ v; 0 for a row with no counted valid index.
         max_logits: [T, H] max of s over the counted indices; -inf for an empty row.
         lse: [T, H] natural log of sum_k exp(s_k) over the counted indices; -inf when empty.
+        A row where some counted index has a non-finite score or value (NaN or inf in q or in
+        the row) gets NaN in all three.
     """
     check_tensor("q", q, dtype=_FLOATS, ndim=3)
     T, H, D = q.shape
@@ -120,11 +131,14 @@ def sparse_mla_ref(q, kv, indices, *, scale, topk_length=None, attn_sink=None, d
         # Uncounted positions gather row 0 as a placeholder: zero it so NaN there cannot leak.
         k = torch.where(m.unsqueeze(-1), src[safe[sl]].double(), 0.0)  # [t, K, D]
         s = scale * torch.einsum("thd,tkd->thk", q[sl].double(), k)
+        bad = ((~torch.isfinite(s) | ~torch.isfinite(k[..., :d_v]).all(-1).unsqueeze(1))
+               & m.unsqueeze(1)).any(-1)  # [t, H]
         s = s.masked_fill(~m.unsqueeze(1), _NEG_INF)
         p, lse_c = _softmax(s, sink)
         out[sl] = torch.einsum("thk,tkd->thd", p, k[..., :d_v]).float()
         max_logits[sl] = (s.amax(-1) if K > 0 else torch.full_like(lse_c, _NEG_INF)).float()
         lse[sl] = lse_c.float()
+        _nan_faults(bad, out[sl], max_logits[sl], lse[sl])
     return out, max_logits, lse
 
 
@@ -184,6 +198,8 @@ def _mha_core(q, k, v, context_len, *, scale, causal, window, softcap, alibi_slo
         ALiBi: s += slope[h] * (j - context_len), or with alibi_sqrt
                s += slope[h] * (-sqrt(p - j) if j <= p else 0)
         sinks: the denominator gains exp(sinks[h]) (no value vector) and lse includes it.
+    A query whose unmasked keys include a non-finite raw score (before softcap) or value gets NaN
+    out and lse.
     """
     Lq, H, _ = q.shape
     Lk, H_kv = k.shape[:2]
@@ -200,6 +216,7 @@ def _mha_core(q, k, v, context_len, *, scale, causal, window, softcap, alibi_slo
         i1 = min(Lq, i0 + rows)
         qpos = context_len + torch.arange(i0, i1, device=q.device)
         s = scale * torch.einsum("qhd,khd->hqk", q[i0:i1], k)  # [H, q, Lk]
+        bad = ~torch.isfinite(s) | ~torch.isfinite(v).all(-1).T[:, None, :]  # [H, q, Lk]
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
         allowed = torch.ones(i1 - i0, Lk, dtype=torch.bool, device=q.device)
@@ -220,6 +237,7 @@ def _mha_core(q, k, v, context_len, *, scale, causal, window, softcap, alibi_slo
         p, lse_keys = _softmax(s, sink)
         out[i0:i1] = torch.einsum("hqk,khd->qhd", p, v)
         lse[i0:i1] = (lse_keys if sink is None else torch.logaddexp(lse_keys, sink)).T
+        _nan_faults((bad & allowed[None]).any(-1).T, out[i0:i1], lse[i0:i1])
     return out, lse
 
 
@@ -455,7 +473,8 @@ def merge_attn_states_ref(a_out, a_lse, b_out, b_lse):
     Returns (out [T, H, D] fp32, lse [T, H] fp32):
         lse = log(exp(a_lse) + exp(b_lse)),
         out = exp(a_lse - lse) * a_out + exp(b_lse - lse) * b_out;
-        both empty -> out 0, lse -inf. Never NaN unless a non-empty input holds NaN.
+        both empty -> out 0, lse -inf. A non-empty part with a NaN lse or a NaN or inf in its
+        out makes the row's out and lse NaN; otherwise never NaN.
     """
     check_tensor("a_out", a_out, dtype=_FLOATS, ndim=3)
     check_tensor("b_out", b_out, dtype=_FLOATS, shape=tuple(a_out.shape), device=a_out.device)
@@ -471,7 +490,11 @@ def merge_attn_states_ref(a_out, a_lse, b_out, b_lse):
     wb = torch.exp(lb - ref).unsqueeze(-1)
     out = (torch.where(a_empty.unsqueeze(-1), 0.0, wa * a_out.double())
            + torch.where(b_empty.unsqueeze(-1), 0.0, wb * b_out.double()))
-    return out.float(), lse.float()
+    bad = ((~a_empty & (torch.isnan(la) | ~torch.isfinite(a_out).all(-1)))
+           | (~b_empty & (torch.isnan(lb) | ~torch.isfinite(b_out).all(-1))))
+    out, lse = out.float(), lse.float()
+    _nan_faults(bad, out, lse)
+    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------

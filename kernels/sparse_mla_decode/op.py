@@ -33,7 +33,8 @@ import triton.language as tl
 
 from openmla.kernels.sparse_mla_decode import sm90 as _sm90
 from openmla.kernels.sparse_mla_decode import sm90_kn as _kn
-from openmla.kernels.sparse_mla_decode.shared import finish_rows, head_f16_factor, pow2_at_least, sink_factor, split_range
+from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_factor, keep_faults, pow2_at_least,
+                                                      sink_factor, split_range)
 from openmla.kernels.merge import merge_finish, merge_step
 from openmla.kernels.device import num_sms
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
@@ -180,7 +181,8 @@ def sparse_mla_decode_kernel(
             b_sc += tl.dot(b_q1, tl.trans(b_k1)) * qk_scale
             b_sc += tl.dot(b_q2, tl.trans(b_k2)) * qk_scale
             b_sc += tl.dot(b_q3, tl.trans(b_k3)) * qk_scale
-        b_sc = tl.where(m_kv[None, :], b_sc, float("-inf"))
+        # a NaN or inf score of a valid key turns NaN (kernels/softmax.py): the row ends NaN
+        b_sc = tl.where(m_kv[None, :], keep_faults(b_sc), float("-inf"))
 
         m_new = tl.maximum(b_m, tl.max(b_sc, 1))
         # a row with no valid key so far keeps m = -inf; subtract 0 instead to avoid inf - inf

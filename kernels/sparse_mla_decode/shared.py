@@ -1,12 +1,13 @@
 """Layout-free pieces shared by the sparse decode kernels: the Triton kernel uses them as they are,
 the Gluon (sm_90) kernels recompile them with `gluon.jit(fn.fn)` (elementwise and scalar code
-only, so they mean the same in both languages)."""
+only, so they mean the same in both languages). `finish_rows` and `keep_faults` are every
+attention kernel's (kernels/softmax.py: how a NaN or inf reaches out and lse)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-_LN2 = tl.constexpr(0.6931471805599453)  # log2-domain lse -> natural log
+from openmla.kernels.softmax import finish_rows, keep_faults  # noqa: F401 (the decode kernels' finish)
 
 
 @triton.jit
@@ -37,18 +38,9 @@ def split_range(len_ptr, i_t, i_s, TOPK, CHUNK, HAS_LEN: tl.constexpr):
 
 
 @triton.jit
-def finish_rows(b_l, b_m):
-    """From the running sum and max (log2 domain): 1 / sum (0 for an empty row) and the
-    natural-log lse (-inf for an empty row)."""
-    b_has = b_l > 0
-    b_inv = tl.where(b_has, 1.0 / tl.where(b_has, b_l, 1.0), 0.0)
-    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * _LN2, float("-inf"))
-    return b_inv, b_lse
-
-
-@triton.jit
 def sink_factor(sink_ptr, o_h, m_h, b_lse):
-    """exp(lse) / (exp(lse) + exp(sink)) per head; 0 for an empty row (lse = -inf), any sink."""
+    """exp(lse) / (exp(lse) + exp(sink)) per head; 0 for an empty row (lse = -inf), any sink;
+    NaN for a NaN lse."""
     b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=0.0)
     f = 1.0 / (1.0 + tl.exp(b_sink - tl.where(b_lse == float("-inf"), 0.0, b_lse)))
     return tl.where(b_lse == float("-inf"), 0.0, f)

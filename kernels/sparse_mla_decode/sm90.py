@@ -53,6 +53,7 @@ if _GLUON:
     _head_f16_factor = gluon.jit(_dm.head_f16_factor.fn)
     _split_range = gluon.jit(_dm.split_range.fn)
     _finish_rows = gluon.jit(_dm.finish_rows.fn)
+    _keep_faults = gluon.jit(_dm.keep_faults.fn)
     _sink_factor = gluon.jit(_dm.sink_factor.fn)
 
     @gluon.jit
@@ -213,7 +214,8 @@ if _GLUON:
             b_t, b_st = _tile_scores(s_ql, s_k16, p_s, m_n, b_fq, zs, 3, TILE)
             b_sc += b_t
             s_mx = gl.maximum(s_mx, b_st)
-            b_sc = gl.where(m_n[None, :], b_sc, float("-inf"))
+            # a NaN or inf score of a valid key turns NaN (kernels/softmax.py): the row ends NaN
+            b_sc = gl.where(m_n[None, :], _keep_faults(b_sc), float("-inf"))
 
             # the block's score max per head and its largest scale (R, one power of two for all four
             # tiles, grows to cover it) in one cross-warp reduction: each reduction is a

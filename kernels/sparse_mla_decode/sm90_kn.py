@@ -48,8 +48,9 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from openmla.kernels.sparse_mla_decode.sm90 import (_finish_rows, _head_f16_factor, _pow2_at_least,
-                                                 _row_ptrs, _sink_factor, _split_range)
+    from openmla.kernels.sparse_mla_decode.sm90 import (_finish_rows, _head_f16_factor, _keep_faults,
+                                                        _pow2_at_least, _row_ptrs, _sink_factor,
+                                                        _split_range)
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -273,7 +274,8 @@ if _GLUON:
             acc, x = hopper.warpgroup_mma_wait(0, deps=[acc, x])
             lat += acc * _tile_col(b_s4, o_c4, 3, ROW_S)[:, None]
             b_sc = (b_rope + lat * b_fq[None, :]) * qk_scale
-            b_sc = gl.where(m_n[:, None], b_sc, float("-inf"))
+            # a NaN or inf score of a valid key turns NaN (kernels/softmax.py): the row ends NaN
+            b_sc = gl.where(m_n[:, None], _keep_faults(b_sc), float("-inf"))
 
             # online softmax over the keys (rows); R grows to cover this block's scales. The block's
             # score max per head and its largest scale come out of one cross-warp reduction (each

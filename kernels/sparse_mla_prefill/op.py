@@ -43,7 +43,7 @@ import triton.language as tl
 
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
-from openmla.kernels.sparse_mla_prefill.shared import finish_rows
+from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
 from openmla.quant.mla_formats import BF16_MLA
 
@@ -193,7 +193,8 @@ def sparse_mla_prefill_kernel(
         b_s = tl.dot(b_qr, tl.trans(b_kr))
         b_s = tl.dot(b_qa, tl.trans(b_ka), b_s)
         b_s = tl.dot(b_qb, tl.trans(b_kb), b_s)
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
+        b_s = tl.where(m_n[None, :], keep_faults(b_s), float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         # A head with nothing valid yet keeps max -inf; shift by 0 there so no inf - inf appears.
@@ -211,7 +212,7 @@ def sparse_mla_prefill_kernel(
     p_o = out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh
     tl.store(p_o + o_a[None, :], (acc_a * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m_h[:, None])
     tl.store(p_o + o_b[None, :], (acc_b * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m_h[:, None])
-    tl.store(ml_ptr + i_t * H + o_h, m_i * scale, mask=m_h)
+    tl.store(ml_ptr + i_t * H + o_h, max_logits(m_i, lse, scale), mask=m_h)
     tl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
 
 

@@ -1,22 +1,33 @@
 """Layout-free finish shared by the sparse prefill kernels: the Triton kernel uses it as it is, the
 Gluon (sm_90) kernels recompile it with `gluon.jit(fn.fn)` (elementwise code only, so it means the
-same in both languages)."""
+same in both languages). How a NaN or inf reaches out, lse and max_logits: kernels/softmax.py
+(`keep_faults` is every attention kernel's)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from openmla.kernels.softmax import keep_faults  # noqa: F401 (the prefill kernels' score check)
 
 
 @triton.jit
 def finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h, HAS_SINK: tl.constexpr):
     """From the running sum and the running max of the raw q.k: the factor of the output rows
     (1 / sum, times the sink's share; 0 for an empty row) and the natural-log lse (-inf for an
-    empty row)."""
-    has = l_i > 0
-    lse = tl.where(has, m_i * scale + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    empty row). Empty means a sum of exactly 0; a NaN sum (a fault) gives NaN for both."""
+    empty = l_i == 0.0
+    one = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), m_i * scale + tl.log(one))
+    inv = tl.where(empty, 0.0, 1.0 / one)
     if HAS_SINK:
         # out *= exp(lse) / (exp(lse) + exp(sink)), written so that neither exp overflows
         b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=float("-inf"))
-        inv = inv / (1.0 + tl.exp(b_sink - tl.where(has, lse, 0.0)))
+        inv = inv / (1.0 + tl.exp(b_sink - tl.where(empty, 0.0, lse)))
     return inv, lse
+
+
+@triton.jit
+def max_logits(m_x, lse, scale):
+    """max_logits of a row from its max raw q.k: scale * m_x, NaN where lse is NaN (a fault: on
+    the GPU the running max skips NaN scores, so m_x alone would look clean)."""
+    return tl.where(lse != lse, lse, m_x * scale)

@@ -32,8 +32,10 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from openmla.kernels.sparse_mla_prefill.shared import finish_rows
+    from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
     _finish_rows = gluon.jit(finish_rows.fn)
+    _keep_faults = gluon.jit(keep_faults.fn)
+    _max_logits = gluon.jit(max_logits.fn)
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
@@ -150,7 +152,8 @@ if _GLUON:
             t_s = hopper.warpgroup_mma(s_qr, s_rope.permute((1, 0)), b_s, use_acc=False, is_async=True)
             t_s = hopper.warpgroup_mma(s_ql, s_lat.permute((1, 0)), t_s, is_async=True)
             b_s = hopper.warpgroup_mma_wait(0, deps=[t_s])
-            b_s = gl.where(m_n[None, :], b_s, float("-inf"))
+            # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
+            b_s = gl.where(m_n[None, :], _keep_faults(b_s), float("-inf"))
 
             m_new = gl.maximum(m_i, gl.max(b_s, 1))
             # a head with nothing valid yet keeps max -inf; shift by 0 there so no inf - inf appears
@@ -172,7 +175,7 @@ if _GLUON:
         b_o = acc * gl.convert_layout(inv, ROW_O)[:, None]
         p_o = out_ptr + i_t * stride_ot + o_ho[:, None] * stride_oh + o_do[None, :]
         gl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=(o_ho < H)[:, None])
-        gl.store(ml_ptr + i_t * H + o_hs, m_i * scale, mask=o_hs < H)
+        gl.store(ml_ptr + i_t * H + o_hs, _max_logits(m_i, lse, scale), mask=o_hs < H)
         gl.store(lse_ptr + i_t * H + o_hs, lse, mask=o_hs < H)
 
 

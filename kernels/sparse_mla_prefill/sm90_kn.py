@@ -39,7 +39,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-    from openmla.kernels.sparse_mla_prefill.sm90 import _finish_rows
+    from openmla.kernels.sparse_mla_prefill.sm90 import _finish_rows, _keep_faults, _max_logits
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
@@ -145,7 +145,8 @@ if _GLUON:
                                            use_acc=k > 0, is_async=True)
             t_0, t_1 = hopper.warpgroup_mma_wait(0, deps=[t_0, t_1])
             b_s = t_0 + t_1
-            b_s = gl.where(m_n[:, None], b_s, float("-inf"))
+            # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
+            b_s = gl.where(m_n[:, None], _keep_faults(b_s), float("-inf"))
 
             m_blk = gl.max(b_s, 0)
             m_ex = gl.maximum(m_ex, m_blk)
@@ -261,7 +262,7 @@ if _GLUON:
             b_o = (s_oa.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_a
                    + s_ob.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_b)
             gl.store(p_o + 64 * c, b_o.to(out_ptr.dtype.element_ty), mask=(o_ho < H)[:, None])
-        gl.store(ml_ptr + i_t * H + o_h, m_x * scale, mask=m_h)
+        gl.store(ml_ptr + i_t * H + o_h, _max_logits(m_x, lse, scale), mask=m_h)
         gl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
 
 
