@@ -217,7 +217,7 @@ def flash_mla_with_kvcache(
     _, lse = sparse_mla_decode(q.reshape(b * s_q, h_q, D_QK), cache,
                                indices.reshape(b * s_q, indices.shape[-1]),
                                scale=scale, topk_length=lengths, attn_sink=attn_sink,
-                               out=out.view(b * s_q, h_q, D_V))
+                               out=out.view(b * s_q, h_q, D_V), fmt=FP8_DS_MLA if fp8 else BF16_MLA)
     lse = lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
     return out, lse.masked_fill_(lse == float("-inf"), float("inf"))
 

@@ -1,18 +1,32 @@
 """Cache formats and packers (the lowest layer: kernels and mla import from here)."""
+from .format_types import FAMILIES, MHA, SPARSE_MLA, CacheFormat, CacheTensor, Scale
 from .mla_formats import (
     BF16_MLA,
     FP8_DS_MLA,
     FP8_DS_MLA_RAW,
     FP8_E4M3_MAX,
-    MLA_FORMATS,
     BF16MLAFormat,
     FP8DSMLAFormat,
     mla_format_of,
 )
+from .mha_formats import (
+    FP8_PER_TENSOR,
+    INT8_QK,
+    INT8_QKV,
+    MHA_AUTO,
+    MHA_BF16,
+    MHA_FP16,
+    MHAFormat,
+    mha_format_of,
+)
+from .formats import CACHE_FORMATS, cache_format, formats, kv_cache_dtype_names
 
 __all__ = [
-    "BF16_MLA", "FP8_DS_MLA", "FP8_DS_MLA_RAW", "FP8_E4M3_MAX", "MLA_FORMATS",
+    "FAMILIES", "MHA", "SPARSE_MLA", "CacheFormat", "CacheTensor", "Scale",
+    "BF16_MLA", "FP8_DS_MLA", "FP8_DS_MLA_RAW", "FP8_E4M3_MAX",
     "BF16MLAFormat", "FP8DSMLAFormat", "mla_format_of",
+    "FP8_PER_TENSOR", "INT8_QK", "INT8_QKV", "MHA_AUTO", "MHA_BF16", "MHA_FP16", "MHAFormat",
+    "mha_format_of", "CACHE_FORMATS", "cache_format", "formats", "kv_cache_dtype_names",
 ]
 
 from .mla_gather import gather_upconvert  # noqa: E402  (Triton cache reader)

@@ -25,19 +25,15 @@ import triton
 import triton.language as tl
 
 from .validate import check_same_device, check_tensor, fail
+from .format_types import MHA
+from .formats import cache_format
 from .int8 import INT8_SCALE_FLOOR, int8_quantize_rows, int8_quantize_with_scale
+from .mha_formats import CACHE_DTYPES, MODEL_DTYPES, MHAFormat, mha_format_of
+from .mha_formats import quantize_fp8_per_tensor  # noqa: F401  (the fp8 rule, importable from here)
 from .mla_formats import FP8_E4M3_MAX
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8)
-_MODEL_DTYPES = (torch.bfloat16, torch.float16)  # the V cache of int8_qk
 LAYOUTS = ("NHD", "HND")
-
-
-def quantize_fp8_per_tensor(x: torch.Tensor, scale) -> torch.Tensor:
-    """The fp8 cache rule in torch (the byte-level truth the Triton writer equals):
-    e4m3fn(rne(x_fp32 / scale)), saturating at +-448, NaN stays NaN. scale: float or 1-element tensor."""
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def cache_dims(cache: torch.Tensor, layout: str):
@@ -115,15 +111,13 @@ def write_kv_cache_kernel(
         tl.store(p_vc, b_v, mask=m_hd)
 
 
-def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
-            k_scale_cache=None, k_smooth=None):
+def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache,
+            k_smooth, fmt: MHAFormat):
     T, H, D = key.shape
     if T == 0 or H == 0:
         return
     nb, bs, _, _ = cache_dims(k_cache, layout)
-    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    k_int8 = k_cache.dtype == torch.int8
-    v_int8 = v_cache.dtype == torch.int8
+    is_fp8, k_int8, v_int8 = fmt.fp8_per_tensor, fmt.k_int8, fmt.v_int8
     block_d = triton.next_power_of_2(D)
     block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_d))
     scale_k = k_scale if is_fp8 else slot_mapping  # never read unless IS_FP8
@@ -152,17 +146,18 @@ def _write_kv_cache_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                        layout: str, k_scale_cache: Optional[torch.Tensor],
-                       k_smooth: Optional[torch.Tensor]) -> None:
+                       k_smooth: Optional[torch.Tensor], fmt_name: str) -> None:
     # k_scale_cache has no default on purpose: torch 2.11 drops trailing default-valued
     # arguments before its in-place bookkeeping indexes the mutated ones (an IndexError with
     # `= None`).
+    # The format travels by its registry name (a custom op's arguments are tensors and scalars).
     _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache,
-            k_smooth)
+            k_smooth, cache_format(fmt_name, MHA))
 
 
 @_write_kv_cache_op.register_fake
 def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache,
-      k_smooth):
+      k_smooth, fmt_name):
     return None
 
 
@@ -171,10 +166,11 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
                    layout: str = "NHD", check_slots: bool = True,
                    k_scale_cache: Optional[torch.Tensor] = None,
-                   k_smooth: Optional[torch.Tensor] = None) -> None:
+                   k_smooth: Optional[torch.Tensor] = None, fmt: Optional[MHAFormat] = None) -> None:
     """Write new keys and values into paged caches, in place.
 
-    The cache mode follows from the cache dtypes:
+    The cache format (quant/mha_formats.py) is `fmt`, or without it the one the cache dtypes
+    give (`mha_format_of`):
       - both bf16, both fp16, or both float8_e4m3fn (per-tensor scales);
       - `int8_qkv`: k_cache and v_cache int8 (K scales dynamic into k_scale_cache, V scale static);
       - `int8_qk`: k_cache int8, v_cache bf16/fp16 (V stored as value.to(v_cache.dtype)).
@@ -209,6 +205,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
             `quantize_per_token_head_ref(key.float() / k_smooth)`; the attention kernels multiply
             q by the same factors (`paged_attention(..., k_smooth=)`), so q.k is unchanged while
             outlier channels no longer set every key's scale.
+        fmt: an MHA format descriptor (`quant.MHA_BF16`, `FP8_PER_TENSOR`, `INT8_QKV`, ...,
+            or a layer's); the caches must be in it (ValueError otherwise).
 
     bf16/fp16 caches receive key.to(cache dtype) (round to nearest even).
     """
@@ -217,28 +215,24 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     check_tensor("key", key, dtype=_IN_DTYPES, ndim=3, last_dim_contiguous=True)
     T, H, D = key.shape
     check_tensor("value", value, dtype=_IN_DTYPES, shape=(T, H, D), last_dim_contiguous=True)
-    check_tensor("k_cache", k_cache, dtype=_CACHE_DTYPES, ndim=4, last_dim_contiguous=True)
+    check_tensor("k_cache", k_cache, dtype=CACHE_DTYPES, ndim=4, last_dim_contiguous=True)
     nb, bs, h_kv, d = cache_dims(k_cache, layout)
     want = tuple(k_cache.shape)
     if (h_kv, d) != (H, D):
         fail(f"k_cache.shape ({layout})", f"H_kv = {H} and D = {D} as in key",
              f"H_kv = {h_kv}, D = {d} (shape {want})")
-    k_int8 = k_cache.dtype == torch.int8
-    if k_int8:
-        check_tensor("v_cache", v_cache, dtype=_CACHE_DTYPES, shape=want, last_dim_contiguous=True)
-        if v_cache.dtype not in (torch.int8,) + _MODEL_DTYPES:
-            raise NotImplementedError(
-                f"write_kv_cache: an int8 k_cache with a {v_cache.dtype} v_cache (supported: int8 "
-                "V (int8_qkv) or bf16/fp16 V (int8_qk))")
-    elif isinstance(v_cache, torch.Tensor) and v_cache.dtype == torch.int8:
-        raise NotImplementedError(
-            f"write_kv_cache: an int8 v_cache with a {k_cache.dtype} k_cache (int8 V needs an int8 "
-            "k_cache: the int8_qkv mode)")
-    else:
-        check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=want, last_dim_contiguous=True)
+    if fmt is None:
+        try:
+            fmt = mha_format_of(k_cache, v_cache)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"write_kv_cache: {e}") from None
+    elif not isinstance(fmt, MHAFormat):
+        fail("fmt", "an MHA cache format descriptor (quant.MHA_BF16, FP8_PER_TENSOR, INT8_QKV, ...)",
+             type(fmt).__name__)
+    check_mha_caches(fmt, k_cache, v_cache, shape=want)
     check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(T,),
                  contiguous=True)
-    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    is_fp8, k_int8 = fmt.fp8_per_tensor, fmt.k_int8
     if k_int8:
         check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_cache.dtype, nb, bs, H, D)
         if k_smooth is not None:
@@ -265,7 +259,20 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
             fail("slot_mapping", f"slots < num_blocks * block_size = {nb * bs} (or < 0: skip)",
                  f"max {top}")
     _write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
-                       k_scale_cache, k_smooth)
+                       k_scale_cache, k_smooth, fmt.name)
+
+
+def check_mha_caches(fmt: MHAFormat, k_cache, v_cache, *, shape, model_dtype=None) -> None:
+    """ValueError unless k_cache and v_cache (same shape, last dim contiguous) have `fmt`'s dtypes.
+    A model-dtype part (None in fmt) is model_dtype when given, else bf16 or fp16 (and for
+    `auto`, V's dtype is K's)."""
+    def want(d):
+        return d if d is not None else (model_dtype if model_dtype is not None else MODEL_DTYPES)
+    check_tensor("k_cache", k_cache, dtype=want(fmt.k_dtype), shape=shape, last_dim_contiguous=True)
+    v_want = want(fmt.v_dtype)
+    if fmt.k_dtype is None and fmt.v_dtype is None:
+        v_want = k_cache.dtype
+    check_tensor("v_cache", v_cache, dtype=v_want, shape=shape, last_dim_contiguous=True)
 
 
 def check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_dtype, nb, bs, H, D) -> None:

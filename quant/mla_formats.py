@@ -8,13 +8,18 @@ fp8_ds_mla token, 656 bytes (byte-compatible with FlashMLA and vLLM):
     [512, 528)  4 x float32 scale (little-endian), one per tile
     [528, 656)  64 x bfloat16 rope, copied verbatim
 bf16 token, 576 x bfloat16: latent 512 | rope 64.
+
+Both are `quant.format_types.CacheFormat`s of the SPARSE_MLA family, listed in the registry
+(quant/formats.py) with their kv_cache_dtype names.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from .format_types import PER_TILE, SPARSE_MLA, CacheFormat, CacheTensor, Scale
 from .validate import check_tensor, fail
 
 FP8_E4M3_MAX = 448.0
@@ -41,8 +46,30 @@ def _check_pack_inputs(fmt, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         fail("k_pe.shape[:-1]", tuple(kv_c.shape[:-1]), tuple(k_pe.shape[:-1]))
 
 
+class _MLAFormat(CacheFormat):
+    """What both sparse MLA formats share: one cache tensor of rows (latent | rope)."""
+
+    family: ClassVar[str] = SPARSE_MLA
+
+    @property
+    def head_dim(self) -> int:
+        return self.latent_dim + self.rope_dim
+
+    @property
+    def tensors(self) -> tuple:
+        return (CacheTensor("cache", f"[num_blocks, block_size, {self.row_width}]", self.cache_dtype),)
+
+    def check_cache(self, cache, name: str = "cache") -> None:
+        """ValueError naming `name` unless `cache` is a [num_blocks, block_size, row_width]
+        tensor of this format's dtype with contiguous rows (any block and row strides)."""
+        check_tensor(name, cache, ndim=3, last_dim_contiguous=True)
+        if cache.dtype != self.cache_dtype or cache.shape[-1] != self.row_width:
+            fail(name, f"[num_blocks, block_size, {self.row_width}] {self.cache_dtype} (a {self.name} "
+                 "cache)", f"{tuple(cache.shape)} {cache.dtype}")
+
+
 @dataclass(frozen=True)
-class FP8DSMLAFormat:
+class FP8DSMLAFormat(_MLAFormat):
     """fp8_ds_mla: per-128-element-tile fp32 scales, fp8 e4m3fn latent, bf16 rope.
 
     scale_rule:
@@ -57,6 +84,11 @@ class FP8DSMLAFormat:
     rope_dim: int = 64
     tile_size: int = 128
     name: str = "fp8_ds_mla"
+    kv_cache_dtypes: tuple = ("fp8_ds_mla",)
+    # "fp8" is vLLM's alias of fp8_ds_mla for sparse MLA (FlashMLASparseBackend accepts it)
+    vllm_kv_cache_dtypes: tuple = ("fp8_ds_mla", "fp8")
+    about: str = "656 B/token, e4m3 latent, 4 fp32 tile scales 2^ceil(log2(amax/448)), bf16 rope"
+    quantized: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.scale_rule not in _SCALE_RULES:
@@ -93,20 +125,31 @@ class FP8DSMLAFormat:
         return torch.uint8
 
     @property
-    def head_dim(self) -> int:
-        return self.latent_dim + self.rope_dim
+    def pow2(self) -> bool:
+        """Scales are powers of two (the "pow2" rule)."""
+        return self.scale_rule == "pow2"
 
-    def scales(self, amax: torch.Tensor) -> torch.Tensor:
+    @property
+    def scale_floor(self) -> float:
+        """The smallest scale the rule gives: 1e-4 before rounding up (pow2), FLT_MIN (raw)."""
+        return 1e-4 if self.pow2 else torch.finfo(torch.float32).tiny
+
+    @property
+    def scales(self) -> tuple:
+        return (Scale("latent", PER_TILE, f"bytes [{self.scale_offset}, {self.rope_offset}) of each row",
+                      f"[{self.num_tiles}] per token", torch.float32),)
+
+    def tile_scales(self, amax: torch.Tensor) -> torch.Tensor:
         """Per-tile scale from the tile's fp32 abs-max, by this format's rule (fp32 out)."""
         amax = amax.float()
         # Divide by a tensor: torch on CUDA turns `tensor / python_float` into a multiply by the
         # rounded reciprocal, one ulp off the true quotient for about half of all amax values.
         s = amax / torch.full_like(amax, FP8_E4M3_MAX)
-        if self.scale_rule == "pow2":
+        if self.pow2:
             # Same expression as FlashMLA's reference quantizer, so packs are byte-identical
             # (including its fp32 log2 rounding just above powers of two).
-            return torch.pow(2, torch.clamp_min(s, 1e-4).log2().ceil()).float()
-        return torch.clamp_min(s, torch.finfo(torch.float32).tiny)
+            return torch.pow(2, torch.clamp_min(s, self.scale_floor).log2().ceil()).float()
+        return torch.clamp_min(s, self.scale_floor)
 
     def pack(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """kv_c [..., 512] and k_pe [..., 64] (bf16, or fp32 for the latent) -> [..., 656] uint8.
@@ -117,7 +160,7 @@ class FP8DSMLAFormat:
         lead = kv_c.shape[:-1]
         tiles = kv_c.reshape(*lead, self.num_tiles, self.tile_size)
         amax = tiles.abs().amax(dim=-1).float()  # exact in the input dtype, then widened
-        scale = self.scales(amax)  # [..., num_tiles] fp32
+        scale = self.tile_scales(amax)  # [..., num_tiles] fp32
         q = (tiles.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
         out = torch.empty(*lead, self.bytes_per_token, dtype=torch.uint8, device=kv_c.device)
         out[..., : self.latent_dim] = q.reshape(*lead, self.latent_dim).view(torch.uint8)
@@ -149,16 +192,25 @@ class FP8DSMLAFormat:
 
 
 @dataclass(frozen=True)
-class BF16MLAFormat:
+class BF16MLAFormat(_MLAFormat):
     """bf16 MLA cache: [num_blocks, block_size, 576] bfloat16, latent 512 | rope 64."""
 
     latent_dim: int = 512
     rope_dim: int = 64
     name: str = "bf16"
+    kv_cache_dtypes: tuple = ("bf16", "auto", "bfloat16")
+    vllm_kv_cache_dtypes: tuple = ("auto", "bfloat16")
+    about: str = "bf16 latent cache, 1152 B/token"
+    quantized: ClassVar[bool] = False
 
     @property
-    def head_dim(self) -> int:
-        return self.latent_dim + self.rope_dim
+    def rope_offset(self) -> int:
+        """Where the rope starts in a row, in elements (bf16)."""
+        return self.latent_dim
+
+    @property
+    def scales(self) -> tuple:
+        return ()
 
     @property
     def row_width(self) -> int:
@@ -187,14 +239,17 @@ class BF16MLAFormat:
 
 
 FP8_DS_MLA = FP8DSMLAFormat()
-FP8_DS_MLA_RAW = FP8DSMLAFormat(scale_rule="raw")
+# Written by older vLLM writers; vLLM has no name for it (its caches are read as fp8_ds_mla).
+FP8_DS_MLA_RAW = FP8DSMLAFormat(scale_rule="raw", name="fp8_ds_mla_raw",
+                                kv_cache_dtypes=("fp8_ds_mla_raw",), vllm_kv_cache_dtypes=(),
+                                about="as fp8_ds_mla with scale amax/448 (older vLLM writers)")
 BF16_MLA = BF16MLAFormat()
-
-MLA_FORMATS = {"fp8_ds_mla": FP8_DS_MLA, "fp8_ds_mla_raw": FP8_DS_MLA_RAW, "bf16": BF16_MLA}
 
 
 def mla_format_of(cache: torch.Tensor, name: str = "cache"):
-    """The format a paged MLA cache tensor is in, from its dtype and last dim.
+    """The format a paged MLA cache tensor is in, from its dtype and last dim: the default of
+    the public ops (writer, gather, decode, reference) when their caller passes no `fmt`. Layers
+    hold their descriptor and pass it instead.
 
     uint8 [..., 656] -> FP8_DS_MLA (reading does not depend on the scale rule);
     bf16 [..., 576] -> BF16_MLA. Anything else raises ValueError naming `name`.
@@ -204,4 +259,20 @@ def mla_format_of(cache: torch.Tensor, name: str = "cache"):
     if cache.shape[-1] != fmt.row_width:
         fail(f"{name}.shape[-1]", f"{fmt.row_width} for a {fmt.name} cache of dtype {cache.dtype}",
              cache.shape[-1])
+    return fmt
+
+
+def check_mla_format(cache: torch.Tensor, fmt=None, name: str = "cache"):
+    """The format of a paged MLA cache at a public op's boundary: `fmt` (a sparse MLA
+    descriptor) checked against the cache's dtype and row width, or without one
+    `mla_format_of(cache)`. ValueError for a mismatch or something that is not a descriptor."""
+    if fmt is None:
+        return mla_format_of(cache, name)
+    if not isinstance(fmt, _MLAFormat):
+        fail("fmt", "a sparse MLA cache format (quant.FP8_DS_MLA, FP8_DS_MLA_RAW, BF16_MLA)",
+             type(fmt).__name__)
+    check_tensor(name, cache)
+    if cache.dtype != fmt.cache_dtype or cache.shape[-1] != fmt.row_width:
+        fail("fmt", f"a format of the {name} ({cache.dtype} rows of {cache.shape[-1]})",
+             f"{fmt.name} (rows of {fmt.row_width} {fmt.cache_dtype})")
     return fmt

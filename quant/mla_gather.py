@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .validate import check_same_device, check_tensor, fail
-from .mla_formats import FP8_DS_MLA, mla_format_of
+from .mla_formats import check_mla_format
 from .mla_writer import check_fp32_aligned_rows
 
 # Tokens per loop step of one program: 16 x 656 bytes read, 16 x 1152 bytes written.
@@ -76,7 +76,8 @@ def gather_upconvert_kernel(
 
 
 def gather_upconvert(cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, starts: torch.Tensor, *, max_seq_len: int | None = None) -> None:
+                     seq_lens: torch.Tensor, starts: torch.Tensor, *, max_seq_len: int | None = None,
+                     fmt=None) -> None:
     """Gather B requests' cached tokens into a bf16 workspace, dequantizing the latent. In place on dst.
 
     Args:
@@ -90,6 +91,8 @@ def gather_upconvert(cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
         max_seq_len: optional grid-size hint (a host int, e.g. the chunk's known max seq_len). The
             result never depends on it: each request's programs stride over all its tokens. None
             sizes the grid from N. No host sync either way.
+        fmt: the cache's format (an fp8_ds_mla descriptor, either scale rule), default
+            `mla_format_of(cache)`.
 
     Token p of request b: latent = bf16(fp32(fp8) * scale) (round to nearest even), rope bits
     verbatim. Bad entries never cause an out-of-bounds access:
@@ -98,8 +101,8 @@ def gather_upconvert(cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
       - a target row starts[b] + p outside [0, N): not written.
     """
     check_tensor("cache", cache, ndim=3, last_dim_contiguous=True)
-    fmt = mla_format_of(cache)
-    if fmt is not FP8_DS_MLA:
+    fmt = check_mla_format(cache, fmt)
+    if not fmt.quantized:
         raise NotImplementedError(
             f"gather_upconvert: cache format {fmt.name} ({cache.dtype}); only fp8_ds_mla (uint8) caches "
             "are gathered (a bf16 cache is read by the prefill kernel directly)")

@@ -25,9 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .validate import check_same_device, check_tensor, fail
-from .mla_formats import FP8_E4M3_MAX, BF16MLAFormat, FP8DSMLAFormat, mla_format_of
-
-_FLT_MIN = float(torch.finfo(torch.float32).tiny)
+from .mla_formats import FP8_E4M3_MAX, check_mla_format
 
 
 @triton.jit
@@ -121,8 +119,9 @@ def write_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
         slot_mapping: [T] int32 or int64, slot = block * block_size + offset. slot < 0 means
             "skip this token" (padding); nothing is written for it. Slots should be distinct
             (with duplicates, which token's bytes land is unspecified).
-        fmt: the format to write, default `mla_format_of(cache)` (the pow2 scale rule for a uint8
-            cache); pass `quant.FP8_DS_MLA_RAW` for the older vLLM rule. Must match the cache.
+        fmt: the format to write (a sparse MLA descriptor: quant.FP8_DS_MLA, FP8_DS_MLA_RAW for
+            the older vLLM rule, BF16_MLA, or a layer's); must match the cache. Default
+            `mla_format_of(cache)` (the pow2 scale rule for a uint8 cache).
         check_slots: if True (default), raise ValueError when some slot >= num_blocks *
             block_size. This reads `slot_mapping.max()` back to the host: a device sync, so pass
             False in a CUDA-graph-captured or latency-critical path. Either way the kernel never
@@ -138,26 +137,17 @@ def write_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
                  shape=(num_tokens, None), last_dim_contiguous=True)
     check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(num_tokens,))
     check_tensor("cache", cache, ndim=3, last_dim_contiguous=True)
-    cache_fmt = mla_format_of(cache)
-    if fmt is None:
-        fmt = cache_fmt
-    if not isinstance(fmt, (FP8DSMLAFormat, BF16MLAFormat)):
-        fail("fmt", "an FP8DSMLAFormat or BF16MLAFormat (quant.FP8_DS_MLA, FP8_DS_MLA_RAW, BF16_MLA)",
-             type(fmt).__name__)
-    if type(fmt) is not type(cache_fmt) or fmt.row_width != cache.shape[-1]:
-        fail("fmt", f"a format of the cache ({cache_fmt.name}, {cache.dtype} rows of {cache.shape[-1]})",
-             f"{fmt.name} (rows of {fmt.row_width} {fmt.cache_dtype})")
+    fmt = check_mla_format(cache, fmt)
     if kv_c.shape[1] != fmt.latent_dim:
         fail("kv_c.shape", f"(T, {fmt.latent_dim})", tuple(kv_c.shape))
     if k_pe.shape[1] != fmt.rope_dim:
         fail("k_pe.shape", f"(T, {fmt.rope_dim})", tuple(k_pe.shape))
-    dims = (fmt.num_tiles, fmt.tile_size, fmt.rope_dim) if isinstance(fmt, FP8DSMLAFormat) else (
-        fmt.latent_dim, fmt.rope_dim)
+    dims = (fmt.num_tiles, fmt.tile_size, fmt.rope_dim) if fmt.quantized else (fmt.latent_dim, fmt.rope_dim)
     if not all(_is_pow2(d) for d in dims):
         raise NotImplementedError(f"write_mla_cache: format {fmt} has a tile count, tile size or rope "
                                   "width that is not a power of two (the kernel's block shapes)")
     check_same_device(kv_c=kv_c, k_pe=k_pe, cache=cache, slot_mapping=slot_mapping)
-    if isinstance(fmt, FP8DSMLAFormat):
+    if fmt.quantized:
         check_fp32_aligned_rows(cache)
 
     num_blocks, block_size = cache.shape[0], cache.shape[1]
@@ -175,13 +165,12 @@ def write_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
     grid = (num_tokens,)
     common = (kv_c, k_pe, cache, slot_mapping, kv_c.stride(0), k_pe.stride(0),
               cache.stride(0), cache.stride(1), block_size, num_slots)
-    if isinstance(fmt, FP8DSMLAFormat):
+    if fmt.quantized:
         write_mla_cache_fp8_kernel[grid](
             *common,
             NUM_TILES=fmt.num_tiles, TILE=fmt.tile_size, ROPE=fmt.rope_dim,
             SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset,
-            POW2=fmt.scale_rule == "pow2", FP8_MAX=FP8_E4M3_MAX,
-            SCALE_FLOOR=1e-4 if fmt.scale_rule == "pow2" else _FLT_MIN,
+            POW2=fmt.pow2, FP8_MAX=FP8_E4M3_MAX, SCALE_FLOOR=fmt.scale_floor,
             num_warps=4,
         )
     else:

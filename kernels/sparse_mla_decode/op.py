@@ -38,9 +38,12 @@ from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_fact
 from openmla.kernels.merge import merge_finish, merge_step
 from openmla.kernels.device import num_sms
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
-from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA, mla_format_of
+from openmla.quant.format_types import SPARSE_MLA
+from openmla.quant.formats import cache_format
+from openmla.quant.mla_formats import check_mla_format
 
 LOG2E = 1.4426950408889634  # host: softmax scale -> log2-domain scale
+_TILES = 4  # the kernels hold the 512-wide latent as four 128-wide tiles (fp8_ds_mla's scale tiles)
 MAX_HEADS = 128
 
 # No @triton.autotune here: autotuning benchmarks on the first call, which cannot happen inside
@@ -328,12 +331,12 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
     return best
 
 
-def _launch(q, cache, indices, topk_length, attn_sink, out, scale, *, config=None, num_splits=None):
-    """Launch on validated inputs; writes out, returns lse [T, H] fp32."""
+def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, config=None, num_splits=None):
+    """Launch on validated inputs; writes out, returns lse [T, H] fp32. fmt: the cache's
+    sparse MLA format descriptor (the constexprs below come from it)."""
     T, H, _ = q.shape
     topk = indices.shape[1]
-    fmt = mla_format_of(cache)
-    is_fp8 = fmt is FP8_DS_MLA
+    is_fp8 = fmt.quantized
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0:
         return lse
@@ -379,9 +382,9 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, *, config=Non
             q.stride(0), q.stride(1), stride_cb, stride_cr, indices.stride(0), out.stride(0), out.stride(1),
             float(scale) * LOG2E)
     consts = dict(DENSE=dense, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
-                  SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n, TILE=FP8_DS_MLA.tile_size,
-                  ROPE=fmt.rope_dim, SCALE_OFF=FP8_DS_MLA.scale_offset,
-                  ROPE_OFF=FP8_DS_MLA.rope_offset if is_fp8 else BF16_MLA.latent_dim)
+                  SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n, TILE=fmt.latent_dim // _TILES,
+                  ROPE=fmt.rope_dim, SCALE_OFF=fmt.scale_offset if is_fp8 else 0,
+                  ROPE_OFF=fmt.rope_offset)
     if sm90:
         _sm90.sparse_mla_decode_sm90_kernel[(T * num_hb, num_splits)](
             *args, **consts, num_warps=_sm90.NUM_WARPS)
@@ -407,18 +410,20 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, *, config=Non
 @torch.library.custom_op("openmla::sparse_mla_decode", mutates_args=("out",))
 def _sparse_mla_decode_op(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
                           topk_length: Optional[torch.Tensor], attn_sink: Optional[torch.Tensor],
-                          out: torch.Tensor, scale: float) -> torch.Tensor:
-    return _launch(q, cache, indices, topk_length, attn_sink, out, scale)
+                          out: torch.Tensor, scale: float, fmt_name: str) -> torch.Tensor:
+    # the format travels by its registry name (a custom op's arguments are tensors and scalars)
+    return _launch(q, cache, indices, topk_length, attn_sink, out, scale,
+                   cache_format(fmt_name, SPARSE_MLA))
 
 
 @_sparse_mla_decode_op.register_fake
-def _(q, cache, indices, topk_length, attn_sink, out, scale):
+def _(q, cache, indices, topk_length, attn_sink, out, scale, fmt_name):
     return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
 def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, *, scale: float,
                       topk_length: Optional[torch.Tensor] = None, attn_sink: Optional[torch.Tensor] = None,
-                      out: Optional[torch.Tensor] = None):
+                      out: Optional[torch.Tensor] = None, fmt=None):
     """Sparse MLA decode attention over a paged latent cache.
 
     Args:
@@ -433,6 +438,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
             (values > topk act as topk, values <= 0 give an empty row).
         attn_sink: optional [H] fp32; out *= exp(lse) / (exp(lse) + exp(attn_sink)), lse unchanged.
         out: optional [T, H, 512] bf16 to write into (last dim contiguous).
+        fmt: the cache's sparse MLA format (quant.FP8_DS_MLA, FP8_DS_MLA_RAW, BF16_MLA, or a
+            layer's descriptor), checked against the cache; default `mla_format_of(cache)`.
 
     Returns:
         (out [T, H, 512] bf16, lse [T, H] fp32 natural log of the softmax denominator of scale*q.k).
@@ -440,7 +447,10 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     """
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, last_dim_contiguous=True)
     T, H, d_qk = q.shape
-    fmt = mla_format_of(cache)
+    fmt = check_mla_format(cache, fmt)
+    if (fmt.latent_dim, fmt.rope_dim) != (_TILES * 128, 64) or (fmt.quantized and fmt.num_tiles != _TILES):
+        raise NotImplementedError(f"sparse_mla_decode: format {fmt} (the kernels read a {_TILES} x 128 "
+                                  "latent in 128-wide scale tiles and a 64-wide rope)")
     if d_qk != fmt.head_dim:
         fail("q.shape[-1]", fmt.head_dim, d_qk)
     if not 1 <= H <= MAX_HEADS:
@@ -466,5 +476,5 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     out = check_out(out, q, fmt.latent_dim)
     check_same_device(q=q, cache=cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                       out=out)
-    lse = _sparse_mla_decode_op(q, cache, indices, topk_length, attn_sink, out, float(scale))
+    lse = _sparse_mla_decode_op(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt.name)
     return out, lse

@@ -33,17 +33,15 @@ from openmla.kernels.cascade import cascade_attention
 from openmla.kernels.paged_attention import paged_attention, varlen_attention
 from openmla.mla.mha.plan import (AttentionPlan, AttentionSubPlan, CascadePlan, _int_arg,
                                 build_attention_plan)
+from openmla.quant.format_types import MHA
+from openmla.quant.formats import cache_format
 from openmla.quant.validate import check_tensor, fail
 from openmla.quant.int8 import calibrate_v_scale, load_v_scales
 from openmla.quant.kv_cache import write_kv_cache
 
 __all__ = ["AttentionPlan", "AttentionSubPlan", "CascadePlan", "PagedAttentionImpl",
-           "build_attention_plan", "ATTN_TYPES", "KV_CACHE_DTYPES"]
+           "build_attention_plan", "ATTN_TYPES"]
 
-# kv_cache_dtype (vLLM's names) -> cache element dtype; None: the model's dtype.
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                   "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                   "int8_qkv": torch.int8, "int8_qk": torch.int8}
 ATTN_TYPES = ("decoder", "encoder", "encoder_only")
 MAX_HEAD_SIZE = 256
 
@@ -71,11 +69,13 @@ class PagedAttentionImpl:
         alibi_slopes: [H] floats (list or tensor), or None.
         sinks: [H] tensor (any float dtype; read at every forward, so a parameter loaded after
             construction is seen), or None.
-        kv_cache_dtype: "auto" (the model's dtype), "bfloat16", "float16", or "fp8"/"fp8_e4m3"
-            (float8_e4m3fn with per-tensor scales `k_scale`, `v_scale`, default 1.0; set them
-            with `set_kv_scales`), or "int8_qkv" / "int8_qk" (int8 K with per-token-head scales,
-            V int8 with a static per-channel scale / V in the model's dtype; head_size a
-            multiple of 8). Others raise NotImplementedError.
+        kv_cache_dtype: the cache format, by name or as a quant descriptor (resolved once, by
+            quant.cache_format, and kept as `cache_format`): "auto" (the model's dtype),
+            "bfloat16"/"bf16", "float16"/"fp16", or "fp8"/"fp8_e4m3" (float8_e4m3fn with
+            per-tensor scales `k_scale`, `v_scale`, default 1.0; set them with `set_kv_scales`),
+            or "int8_qkv" / "int8_qk" (int8 K with per-token-head scales, V int8 with a static
+            per-channel scale / V in the model's dtype; head_size a multiple of 8). Others raise
+            NotImplementedError.
         attn_type: "decoder" (causal, paged cache), "encoder" or "encoder_only" (non-causal over
             the step's own keys and values, no cache; fp8 kv_cache_dtype is not supported there,
             as in vLLM). "encoder_decoder" (cross-attention) raises NotImplementedError.
@@ -84,7 +84,7 @@ class PagedAttentionImpl:
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, *,
                  sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                  alibi_slopes=None, sinks: Optional[torch.Tensor] = None,
-                 kv_cache_dtype: str = "auto", attn_type: str = "decoder"):
+                 kv_cache_dtype="auto", attn_type: str = "decoder"):
         for name, val in (("num_heads", num_heads), ("head_size", head_size),
                           ("num_kv_heads", num_kv_heads)):
             _int_arg(name, val, 1)
@@ -96,22 +96,17 @@ class PagedAttentionImpl:
         if (isinstance(scale, bool) or not isinstance(scale, (int, float))
                 or not math.isfinite(scale)):
             fail("scale", "a finite float", repr(scale))
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise NotImplementedError(f"PagedAttentionImpl: kv_cache_dtype {kv_cache_dtype!r}; "
-                                      f"supported are {sorted(KV_CACHE_DTYPES)}")
+        fmt = cache_format(kv_cache_dtype, MHA, who="PagedAttentionImpl")
         if attn_type == "encoder_decoder":
             raise NotImplementedError("PagedAttentionImpl: attn_type 'encoder_decoder' "
                                       "(cross-attention) is not supported")
         if attn_type not in ATTN_TYPES:
             fail("attn_type", f"one of {ATTN_TYPES}", repr(attn_type))
-        self.cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
-        self.is_fp8 = self.cache_dtype == torch.float8_e4m3fn
-        self.is_int8 = self.cache_dtype == torch.int8
-        if self.is_int8 and head_size % 8:
-            raise NotImplementedError(f"PagedAttentionImpl: kv_cache_dtype {kv_cache_dtype!r} "
+        if fmt.k_int8 and head_size % 8:
+            raise NotImplementedError(f"PagedAttentionImpl: kv_cache_dtype {fmt.name!r} "
                                       f"with head_size {head_size} (int8: multiples of 8)")
-        if attn_type != "decoder" and (self.is_fp8 or self.is_int8):
-            raise NotImplementedError(f"PagedAttentionImpl: kv_cache_dtype {kv_cache_dtype!r} "
+        if attn_type != "decoder" and fmt.quantized:
+            raise NotImplementedError(f"PagedAttentionImpl: kv_cache_dtype {fmt.name!r} "
                                       f"with attn_type {attn_type!r} (as vLLM: no quantization "
                                       "for encoder attention)")
         if sliding_window is None:
@@ -139,6 +134,7 @@ class PagedAttentionImpl:
         self.alibi_slopes = alibi_slopes
         self.sinks = sinks
         self.kv_cache_dtype = kv_cache_dtype
+        self.cache_format = fmt
         self.attn_type = attn_type
         self.k_scale = torch.ones(1, dtype=torch.float32)
         self.v_scale = torch.ones(1, dtype=torch.float32)
@@ -154,8 +150,8 @@ class PagedAttentionImpl:
 
     def set_v_scale(self, v_scale: torch.Tensor) -> None:
         """int8_qkv: the static per-channel V scale [H_kv, D] fp32 (v_int8 = rne(v / scale))."""
-        if self.kv_cache_dtype != "int8_qkv":
-            fail("kv_cache_dtype", "'int8_qkv' for a per-channel V scale", self.kv_cache_dtype)
+        if not self.cache_format.v_int8:
+            fail("kv_cache_dtype", "'int8_qkv' for a per-channel V scale", self.cache_format.name)
         check_tensor("v_scale", v_scale, dtype=torch.float32,
                      shape=(self.num_kv_heads, self.head_size))
         if not bool(torch.isfinite(v_scale).all() and (v_scale > 0).all()):  # load time: a sync is fine
@@ -166,8 +162,8 @@ class PagedAttentionImpl:
         """int8 caches: per-channel K smoothing factors [H_kv, D] fp32 (positive, finite; from
         `quant.int8.calibrate_k_smooth`), or None (off). Set before the cache is first written:
         the cache holds K / k_smooth and attention multiplies q by it."""
-        if not self.is_int8:
-            fail("kv_cache_dtype", "'int8_qkv' or 'int8_qk' for K smoothing", self.kv_cache_dtype)
+        if not self.cache_format.k_int8:
+            fail("kv_cache_dtype", "'int8_qkv' or 'int8_qk' for K smoothing", self.cache_format.name)
         if k_smooth is not None:
             check_tensor("k_smooth", k_smooth, dtype=torch.float32,
                          shape=(self.num_kv_heads, self.head_size))
@@ -244,9 +240,9 @@ class PagedAttentionImpl:
         k_cache, v_cache, k_scale_cache = self._split_cache(kv_cache, query.dtype)
         plan.check_matches(query, k_cache)
         k_scale = v_scale = None
-        if self.is_fp8:
+        if self.cache_format.fp8_per_tensor:
             k_scale, v_scale = self._scales(query.device)
-        elif self.kv_cache_dtype == "int8_qkv":
+        elif self.cache_format.v_int8:
             v_scale = self._int8_v_scale(query.device)
         k_smooth = None
         if self.k_smooth is not None:
@@ -260,7 +256,7 @@ class PagedAttentionImpl:
             # check_slots=False: no host read; out-of-range slots are skipped in the kernel.
             write_kv_cache(key[:n], value[:n], k_cache, v_cache, plan.slot_mapping,
                            k_scale=k_scale, v_scale=v_scale, check_slots=False,
-                           k_scale_cache=k_scale_cache, k_smooth=k_smooth)
+                           k_scale_cache=k_scale_cache, k_smooth=k_smooth, fmt=self.cache_format)
         if T == 0:
             return output
         sinks = self._sinks(query.device)
@@ -307,16 +303,18 @@ class PagedAttentionImpl:
 
     def _split_cache(self, kv_cache, q_dtype):
         """(k_cache, v_cache, k_scale_cache or None) of the layer's cache argument."""
-        if self.is_int8:
+        fmt = self.cache_format
+        if fmt.k_int8:
             if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 3):
-                fail("kv_cache", f"(k_cache, v_cache, k_scale_cache) for {self.kv_cache_dtype}",
+                fail("kv_cache", f"(k_cache, v_cache, k_scale_cache) for {fmt.name}",
                      type(kv_cache).__name__ + (f" of {len(kv_cache)}"
                                                 if isinstance(kv_cache, (tuple, list)) else ""))
             k_cache, v_cache, k_scale_cache = kv_cache
-            v_dtype = torch.int8 if self.kv_cache_dtype == "int8_qkv" else q_dtype
             shape = (None, None, self.num_kv_heads, self.head_size)
-            check_tensor("k_cache", k_cache, dtype=torch.int8, shape=shape, last_dim_contiguous=True)
-            check_tensor("v_cache", v_cache, dtype=v_dtype, shape=shape, last_dim_contiguous=True)
+            check_tensor("k_cache", k_cache, dtype=fmt.k_cache_dtype(q_dtype), shape=shape,
+                         last_dim_contiguous=True)
+            check_tensor("v_cache", v_cache, dtype=fmt.v_cache_dtype(q_dtype), shape=shape,
+                         last_dim_contiguous=True)
             return k_cache, v_cache, k_scale_cache  # the kernels check k_scale_cache
         if isinstance(kv_cache, torch.Tensor):
             check_tensor("kv_cache", kv_cache, ndim=5)
@@ -328,10 +326,10 @@ class PagedAttentionImpl:
         else:
             fail("kv_cache", "(k_cache, v_cache) or a [2, num_blocks, block_size, H_kv, D] tensor",
                  type(kv_cache).__name__)
-        want = self.cache_dtype or q_dtype
+        want = fmt.k_cache_dtype(q_dtype)  # K and V alike
         caches = []
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if self.is_fp8 and isinstance(c, torch.Tensor) and c.dtype == torch.uint8:
+            if fmt.fp8_per_tensor and isinstance(c, torch.Tensor) and c.dtype == torch.uint8:
                 c = c.view(torch.float8_e4m3fn)  # vLLM stores fp8 caches as uint8
             check_tensor(name, c, dtype=want, shape=(None, None, self.num_kv_heads,
                                                      self.head_size), last_dim_contiguous=True)

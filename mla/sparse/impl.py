@@ -23,9 +23,10 @@ from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from openmla.mla import D_QK, KV_LORA_RANK, ROPE_DIM
 from openmla.mla.absorb import split_kv_b_proj
-from openmla.mla.sparse.plan import MAX_HEADS, SparseMLAPlan, build_sparse_mla_plan, cache_format_name
+from openmla.mla.sparse.plan import MAX_HEADS, SparseMLAPlan, build_sparse_mla_plan
+from openmla.quant.format_types import SPARSE_MLA
+from openmla.quant.formats import cache_format
 from openmla.quant.validate import check_same_device, check_tensor, fail
-from openmla.quant.mla_formats import MLA_FORMATS
 from openmla.quant.mla_gather import gather_upconvert
 from openmla.quant.mla_writer import write_mla_cache
 
@@ -38,8 +39,11 @@ class SparseMLAImpl:
     Args:
         num_heads: H, query heads of this rank, 1..128 (never padded).
         scale: softmax scale applied to q.k (DeepSeek: (n + r)^-0.5 times the YaRN mscale^2).
-        kv_cache_dtype: "bf16"/"auto" (cache [blocks, block_size, 576] bf16) or "fp8_ds_mla"
-            (cache [blocks, block_size, 656] uint8); others raise NotImplementedError.
+        kv_cache_dtype: the cache format, by name or as a quant descriptor (resolved once, by
+            quant.cache_format, and kept as `cache_format`): "bf16"/"auto"/"bfloat16" (BF16_MLA,
+            cache [blocks, block_size, 576] bf16), "fp8_ds_mla"/"fp8" (FP8_DS_MLA, cache
+            [blocks, block_size, 656] uint8) or "fp8_ds_mla_raw" (FP8_DS_MLA_RAW: the same bytes,
+            written with the older vLLM scale rule); others raise NotImplementedError.
         kv_lora_rank: L, must be 512; qk_rope_head_dim: r, must be 64 (the kernels' widths;
             other values raise NotImplementedError).
         qk_nope_head_dim: n (DeepSeek 128), v_head_dim: v (DeepSeek 128): any positive size.
@@ -48,11 +52,11 @@ class SparseMLAImpl:
         fp8_path: "mixed", "separate" or None (auto: mixed below 32 heads); see mla/sparse/plan.py.
     """
 
-    def __init__(self, num_heads: int, scale: float, kv_cache_dtype: str, *,
+    def __init__(self, num_heads: int, scale: float, kv_cache_dtype, *,
                  kv_lora_rank: int = KV_LORA_RANK, qk_nope_head_dim: int = 128,
                  qk_rope_head_dim: int = ROPE_DIM, v_head_dim: int = 128, max_model_len: int,
                  fp8_path: Optional[str] = None, workspace_rows: Optional[int] = None):
-        self.format_name = cache_format_name(kv_cache_dtype)
+        self.cache_format = cache_format(kv_cache_dtype, SPARSE_MLA, who="SparseMLAImpl")
         if kv_lora_rank != KV_LORA_RANK or qk_rope_head_dim != ROPE_DIM:
             raise NotImplementedError(
                 f"SparseMLAImpl: kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={qk_rope_head_dim}; "
@@ -71,7 +75,7 @@ class SparseMLAImpl:
             workspace_rows = 5 * max_model_len
         if isinstance(workspace_rows, bool) or not isinstance(workspace_rows, int) or workspace_rows < 1:
             fail("workspace_rows", "a positive int", repr(workspace_rows))
-        if self.format_name == "bf16" and fp8_path is not None:
+        if not self.cache_format.quantized and fp8_path is not None:
             fail("fp8_path", "None for a bf16 cache (it picks how an fp8 cache is read)", repr(fp8_path))
         self.num_heads = num_heads
         self.scale = float(scale)
@@ -86,11 +90,6 @@ class SparseMLAImpl:
         self.W_UK: Optional[torch.Tensor] = None  # [H, n, L] bf16
         self.W_UV: Optional[torch.Tensor] = None  # [H, L, v] bf16
         self._workspace: Optional[torch.Tensor] = None  # [workspace_rows, 576] bf16
-
-    @property
-    def cache_format(self):
-        """The quant format descriptor of this layer's cache (quant.BF16_MLA or FP8_DS_MLA)."""
-        return MLA_FORMATS[self.format_name]
 
     # ------------------------------------------------------------------ load time
     def load_kv_b_proj(self, weight: torch.Tensor, weight_scale_inv: Optional[torch.Tensor] = None) -> None:
@@ -122,7 +121,7 @@ class SparseMLAImpl:
         """build_sparse_mla_plan with this layer's heads, cache dtype, fp8 path and workspace."""
         return build_sparse_mla_plan(
             query_start_loc, seq_lens, block_table, slot_mapping, block_size=block_size,
-            num_heads=self.num_heads, kv_cache_dtype=self.kv_cache_dtype,
+            num_heads=self.num_heads, kv_cache_dtype=self.cache_format,
             max_model_len=self.max_model_len, decode_threshold=decode_threshold,
             fp8_path=self.fp8_path, workspace_rows=self.workspace_rows,
             query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu)
@@ -191,9 +190,9 @@ class SparseMLAImpl:
         check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, D_QK),
                      last_dim_contiguous=True)
         self._check_cache(cache)
-        if plan.kv_cache_format != self.format_name:
-            fail("plan.kv_cache_format", f"{self.format_name!r} (this layer's cache)",
-                 repr(plan.kv_cache_format))
+        if plan.cache_format != self.cache_format:
+            fail("plan.cache_format", f"{self.cache_format.name!r} (this layer's cache)",
+                 repr(plan.cache_format.name))
         plan.check_matches(q, cache, topk_indices)
         T, H = q.shape[0], q.shape[1]
         if out is None:
@@ -207,12 +206,12 @@ class SparseMLAImpl:
         if td > 0:
             idx = convert_req_index_to_global(plan.req_id_per_token[:td], plan.block_table,
                                               topk_indices[:td], bs)
-            sparse_mla_decode(q[:td], cache, idx, scale=self.scale, out=out[:td])
+            sparse_mla_decode(q[:td], cache, idx, scale=self.scale, out=out[:td], fmt=self.cache_format)
         if plan.prefill_chunks:
             ws = self._get_workspace(plan, q.device)
             for ch in plan.prefill_chunks:
                 gather_upconvert(cache, ws, ch.block_table, ch.seq_lens, ch.workspace_starts,
-                                 max_seq_len=ch.max_seq_len)
+                                 max_seq_len=ch.max_seq_len, fmt=self.cache_format)
                 t0, t1 = ch.token_start, ch.token_end
                 idx = convert_req_index_to_global(
                     plan.req_id_per_token[t0:t1], plan.block_table, topk_indices[t0:t1], bs,
@@ -224,12 +223,8 @@ class SparseMLAImpl:
 
     # ------------------------------------------------------------------ helpers
     def _check_cache(self, cache: torch.Tensor):
-        check_tensor("cache", cache, ndim=3, last_dim_contiguous=True)
-        fmt = self.cache_format
-        if cache.dtype != fmt.cache_dtype or cache.shape[-1] != fmt.row_width:
-            fail("cache", f"[num_blocks, block_size, {fmt.row_width}] {fmt.cache_dtype} (kv_cache_dtype "
-                 f"{self.kv_cache_dtype!r})", f"{tuple(cache.shape)} {cache.dtype}")
-        return fmt
+        self.cache_format.check_cache(cache)
+        return self.cache_format
 
     def _get_workspace(self, plan: SparseMLAPlan, device: torch.device) -> torch.Tensor:
         """The bf16 prefill workspace, allocated on first use and reused by every later step."""

@@ -31,38 +31,24 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from openmla.quant.format_types import SPARSE_MLA, CacheFormat
+from openmla.quant.formats import cache_format
 from openmla.quant.validate import check_same_device, check_tensor, fail
-from openmla.quant.mla_formats import mla_format_of
 
 __all__ = [
-    "KV_CACHE_DTYPES",
     "MIN_HEADS_FOR_SEPARATE",
     "PrefillChunk",
     "SparseMLAPlan",
     "build_sparse_mla_plan",
-    "cache_format_name",
     "split_prefill_chunks",
 ]
 
-# kv_cache_dtype (the engine's name) -> cache format name (quant.MLA_FORMATS key).
-KV_CACHE_DTYPES = {"auto": "bf16", "bf16": "bf16", "fp8_ds_mla": "fp8_ds_mla"}
 # vLLM (FlashMLASparse): below this many heads per rank the fp8 cache takes the mixed path.
 MIN_HEADS_FOR_SEPARATE = 32
 MAX_HEADS = 128
 _FP8_PATHS = ("mixed", "separate")
 
 HostInts = Union[Sequence[int], torch.Tensor]
-
-
-def cache_format_name(kv_cache_dtype: str) -> str:
-    """The cache format an engine's kv_cache_dtype names: "bf16" or "fp8_ds_mla".
-
-    NotImplementedError for any other kv_cache_dtype (the sparse MLA kernels read only these)."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise NotImplementedError(
-            f"sparse MLA: kv_cache_dtype {kv_cache_dtype!r} is not supported; the kernels read "
-            f"{sorted(KV_CACHE_DTYPES)} (bf16 [.., 576] or the 656-byte fp8_ds_mla cache)")
-    return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def _host_ints(name: str, x: HostInts, n: Optional[int] = None) -> list:
@@ -153,8 +139,8 @@ class SparseMLAPlan:
     """What one step's batch is, built once (`build_sparse_mla_plan`) and read by every layer.
 
     Built for (checked on use by `check_matches`): num_tokens (T, rows of q, padding included),
-    num_reqs (R), block_size, num_heads, kv_cache_format ("bf16" | "fp8_ds_mla"), path
-    ("bf16" | "mixed" | "separate"), device.
+    num_reqs (R), block_size, num_heads, cache_format (the cache's quant descriptor:
+    BF16_MLA, FP8_DS_MLA or FP8_DS_MLA_RAW), path ("bf16" | "mixed" | "separate"), device.
 
     Split: tokens [0, num_decode_tokens) run through the decode kernel (all T on the bf16 and
     mixed paths, where num_decodes = R); on the separate path, tokens [num_decode_tokens,
@@ -170,7 +156,7 @@ class SparseMLAPlan:
     num_reqs: int
     block_size: int
     num_heads: int
-    kv_cache_format: str
+    cache_format: CacheFormat
     path: str
     decode_threshold: int
     num_decodes: int
@@ -206,19 +192,16 @@ class SparseMLAPlan:
             fail("topk_indices.shape[0]", f"{T} (q.shape[0])", topk_indices.shape[0])
         if topk_indices.shape[1] < 1:
             fail("topk_indices.shape[1] (topk)", ">= 1", topk_indices.shape[1])
-        fmt = mla_format_of(cache)
-        if fmt.name != self.kv_cache_format:
-            fail("cache", f"a {self.kv_cache_format} cache (the plan's kv_cache_format)",
-                 f"{fmt.name} ({cache.dtype}, shape {tuple(cache.shape)})")
-        if cache.dim() != 3 or cache.shape[1] != self.block_size:
+        self.cache_format.check_cache(cache)
+        if cache.shape[1] != self.block_size:
             fail("cache.shape[1] (block_size)", f"{self.block_size} (the plan's block_size)",
                  tuple(cache.shape))
         check_same_device(**{"plan tensors": self.req_id_per_token, "q": q, "cache": cache,
                              "topk_indices": topk_indices})
 
 
-def _choose_path(fmt_name: str, num_heads: int, fp8_path: Optional[str]) -> str:
-    if fmt_name == "bf16":
+def _choose_path(fmt, num_heads: int, fp8_path: Optional[str]) -> str:
+    if not fmt.quantized:
         if fp8_path is not None:
             fail("fp8_path", "None for a bf16 cache (it picks how an fp8 cache is read)", repr(fp8_path))
         return "bf16"
@@ -243,7 +226,7 @@ def build_sparse_mla_plan(
     *,
     block_size: int,
     num_heads: int,
-    kv_cache_dtype: str,
+    kv_cache_dtype,
     max_model_len: int,
     decode_threshold: int = 1,
     fp8_path: Optional[str] = None,
@@ -262,7 +245,9 @@ def build_sparse_mla_plan(
             T is used (T >= query_start_loc[R]: tokens past the last request are padding).
         block_size: cache page size in tokens.
         num_heads: H, query heads per rank, 1..128.
-        kv_cache_dtype: "bf16"/"auto" (bf16 cache) or "fp8_ds_mla"; others NotImplementedError.
+        kv_cache_dtype: a sparse MLA cache format: a name ("bf16"/"auto"/"bfloat16" for the bf16
+            cache, "fp8_ds_mla"/"fp8", "fp8_ds_mla_raw") or a quant descriptor (BF16_MLA,
+            FP8_DS_MLA, FP8_DS_MLA_RAW); others NotImplementedError (quant.cache_format).
         max_model_len: the longest sequence the engine serves; sets the default workspace.
         decode_threshold: a request with query_len <= this is a decode (raise it to the
             speculative length for spec decoding; lengths need not be uniform).
@@ -278,14 +263,14 @@ def build_sparse_mla_plan(
     Returns a SparseMLAPlan. Decode-only steps build no prefill structures and, given
     query_lens_cpu on the separate path, read nothing from the device.
     """
-    fmt_name = cache_format_name(kv_cache_dtype)
+    fmt = cache_format(kv_cache_dtype, SPARSE_MLA, who="sparse MLA")
     _positive_int("block_size", block_size)
     _positive_int("max_model_len", max_model_len)
     _positive_int("decode_threshold", decode_threshold)
     _positive_int("num_heads", num_heads)
     if num_heads > MAX_HEADS:
         raise NotImplementedError(f"sparse MLA: num_heads {num_heads} > {MAX_HEADS} (the kernels' limit)")
-    path = _choose_path(fmt_name, num_heads, fp8_path)
+    path = _choose_path(fmt, num_heads, fp8_path)
     if workspace_rows is None:
         workspace_rows = 5 * max_model_len
     _positive_int("workspace_rows", workspace_rows)
@@ -307,7 +292,7 @@ def build_sparse_mla_plan(
     req_id_per_token = torch.searchsorted(query_start_loc[1:], tokens, right=True, out_int32=True)
 
     common = dict(num_tokens=T, num_reqs=R, block_size=block_size, num_heads=num_heads,
-                  kv_cache_format=fmt_name, path=path, decode_threshold=decode_threshold,
+                  cache_format=fmt, path=path, decode_threshold=decode_threshold,
                   workspace_rows=workspace_rows, device=device, req_id_per_token=req_id_per_token,
                   block_table=block_table, seq_lens=seq_lens)
     if path != "separate":

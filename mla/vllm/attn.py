@@ -31,20 +31,24 @@ from typing import Any
 
 import torch
 
-from openmla.mla.vllm.common import check_kv_cache_dtype, lazy_classes, plan_inputs
+from openmla.mla.vllm.common import lazy_classes, plan_inputs
+from openmla.quant.format_types import MHA
+from openmla.quant.formats import cache_format, kv_cache_dtype_names
 
-__all__ = ["BACKEND_NAME", "VLLM_KV_CACHE_DTYPES"]
+__all__ = ["BACKEND_NAME", "cache_format_of"]
 
 BACKEND_NAME = "OPENMLA_ATTN"
-# vLLM's kv_cache_dtype names, passed to PagedAttentionImpl unchanged ("fp8" is vLLM's alias of
-# fp8_e4m3, per-tensor k_scale / v_scale). No int8: openmla's int8_qkv / int8_qk caches (a K
-# scale cache beside the pages, a static per-channel V scale) have no vLLM 0.32 name, and its
-# "int8_per_token_head" is another format (scales packed inside each page, dynamic V scales).
-VLLM_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
-_MODEL_DTYPE_CACHES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _ATTN_TYPES = ("decoder", "encoder", "encoder_only")
 _CLASS_NAMES = ("OpenMLAAttentionBackend", "OpenMLAAttentionMetadata",
                 "OpenMLAAttentionMetadataBuilder", "OpenMLAAttentionImpl")
+
+
+def cache_format_of(kv_cache_dtype: str):
+    """The quant descriptor of vLLM's kv_cache_dtype name: "auto" (MHA_AUTO), "bfloat16",
+    "float16", "fp8"/"fp8_e4m3" (FP8_PER_TENSOR: "fp8" is vLLM's alias of fp8_e4m3, per-tensor
+    k_scale / v_scale); NotImplementedError otherwise. No int8: openmla's int8_qkv / int8_qk have
+    no vLLM name (the registry lists none), and vLLM's "int8_per_token_head" is another format."""
+    return cache_format(kv_cache_dtype, MHA, vllm=True, who=BACKEND_NAME)
 
 
 def _build_classes() -> tuple:
@@ -61,7 +65,7 @@ def _build_classes() -> tuple:
         """MHA/GQA over a paged KV cache on openmla's Triton kernels; any GPU Triton runs on."""
 
         supported_dtypes = [torch.float16, torch.bfloat16]
-        supported_kv_cache_dtypes = list(VLLM_KV_CACHE_DTYPES)
+        supported_kv_cache_dtypes = kv_cache_dtype_names(MHA, vllm=True)
         # vLLM's layer calls forward only; forward writes the cache first (PagedAttentionImpl).
         forward_includes_kv_cache_update = True
 
@@ -105,8 +109,11 @@ def _build_classes() -> tuple:
         @classmethod
         def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
                                  has_sink, use_sparse, use_mm_prefix, device_capability):
-            cache = _MODEL_DTYPE_CACHES.get(kv_cache_dtype)
-            if cache is not None and cache != dtype:
+            try:
+                fmt = cache_format_of(kv_cache_dtype)
+            except NotImplementedError:
+                return None  # the kv_cache_dtype check (supported_kv_cache_dtypes) reports it
+            if not fmt.quantized and fmt.k_dtype not in (None, dtype):
                 return (f"kv_cache_dtype {kv_cache_dtype} with {dtype} activations: a 16-bit "
                         "cache is read in the model's dtype")
             return None
@@ -172,15 +179,15 @@ def _build_classes() -> tuple:
             self.head_size = head_size
             self.scale = float(scale)
             self.num_kv_heads = num_kv_heads
-            self.kv_cache_dtype = check_kv_cache_dtype(BACKEND_NAME, kv_cache_dtype,
-                                                       VLLM_KV_CACHE_DTYPES)
+            self.kv_cache_dtype = kv_cache_dtype
+            self.cache_format = cache_format_of(kv_cache_dtype)
             self.attn_type = attn_type
             self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
             self.sinks = sinks
             self._openmla = PagedAttentionImpl(
                 num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window,
                 softcap=logits_soft_cap or None, alibi_slopes=alibi_slopes, sinks=sinks,
-                kv_cache_dtype=kv_cache_dtype, attn_type=attn_type)
+                kv_cache_dtype=self.cache_format, attn_type=attn_type)
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
@@ -201,7 +208,7 @@ def _build_classes() -> tuple:
                 raise NotImplementedError(f"{BACKEND_NAME}: non-causal decoder attention")
             if self.kv_sharing_target_layer_name is not None:  # another layer writes the cache
                 key = value = None
-            if impl.is_fp8:  # vLLM's AttentionLayer protocol names its scales _k_scale, _v_scale
+            if self.cache_format.fp8_per_tensor:  # vLLM's layer names its scales _k_scale, _v_scale
                 impl.set_kv_scales(layer._k_scale, layer._v_scale)
             caches = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
             impl.forward(query[:n], key, value, caches, plan, output[:n])

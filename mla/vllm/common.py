@@ -1,9 +1,9 @@
-"""What both vLLM adapters share: lazily built classes, vLLM metadata -> plan-builder inputs,
-the kv_cache_dtype check. Imports nothing of vLLM."""
+"""What both vLLM adapters share: lazily built classes, vLLM metadata -> plan-builder inputs.
+Imports nothing of vLLM (kv_cache_dtype names are resolved by quant.cache_format)."""
 
 from typing import Any, Callable
 
-__all__ = ["lazy_classes", "plan_inputs", "check_kv_cache_dtype"]
+__all__ = ["lazy_classes", "plan_inputs"]
 
 
 def lazy_classes(module: str, names: tuple, build: Callable[[], tuple]) -> Callable[[str], Any]:
@@ -35,12 +35,3 @@ def plan_inputs(cm) -> tuple:
     args = (cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping[:T])
     return args, dict(query_lens_cpu=qsl_cpu[1:] - qsl_cpu[:-1],
                       seq_lens_cpu=cm.seq_lens_cpu_upper_bound)
-
-
-def check_kv_cache_dtype(backend: str, kv_cache_dtype: str, supported) -> str:
-    """NotImplementedError unless vLLM's kv_cache_dtype name is one of `supported`."""
-    if kv_cache_dtype not in supported:
-        raise NotImplementedError(
-            f"{backend}: kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: "
-            f"{sorted(supported)}")
-    return kv_cache_dtype

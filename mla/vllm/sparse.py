@@ -27,23 +27,22 @@ from typing import Any, Optional
 
 import torch
 
-from openmla.mla.vllm.common import check_kv_cache_dtype, lazy_classes, plan_inputs
+from openmla.mla.vllm.common import lazy_classes, plan_inputs
+from openmla.quant.format_types import SPARSE_MLA
+from openmla.quant.formats import cache_format, kv_cache_dtype_names
 
-__all__ = ["BACKEND_NAME", "VLLM_KV_CACHE_DTYPES"]
+__all__ = ["BACKEND_NAME", "cache_format_of"]
 
 BACKEND_NAME = "OPENMLA_SPARSE"
-# vLLM's cache_dtype names -> openmla's kv_cache_dtype ("fp8" is vLLM's alias of fp8_ds_mla for
-# sparse MLA; FlashMLASparseBackend accepts it the same way).
-VLLM_KV_CACHE_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "fp8_ds_mla": "fp8_ds_mla",
-                        "fp8": "fp8_ds_mla"}
 HEAD_SIZE = 576
 _CLASS_NAMES = ("OpenMLASparseBackend", "OpenMLASparseMetadata", "OpenMLASparseMetadataBuilder",
                 "OpenMLASparseImpl")
 
 
-def _openmla_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    return VLLM_KV_CACHE_DTYPES[check_kv_cache_dtype(BACKEND_NAME, kv_cache_dtype,
-                                                     VLLM_KV_CACHE_DTYPES)]
+def cache_format_of(kv_cache_dtype: str):
+    """The quant descriptor of vLLM's cache_dtype name ("auto"/"bfloat16": BF16_MLA;
+    "fp8_ds_mla"/"fp8", vLLM's alias for sparse MLA: FP8_DS_MLA); NotImplementedError otherwise."""
+    return cache_format(kv_cache_dtype, SPARSE_MLA, vllm=True, who=BACKEND_NAME)
 
 
 def _build_classes() -> tuple:
@@ -61,7 +60,7 @@ def _build_classes() -> tuple:
         """Sparse MLA (DeepSeek-V3.2 DSA) on openmla's Triton kernels; any GPU Triton runs on."""
 
         supported_dtypes = [torch.bfloat16]
-        supported_kv_cache_dtypes = list(VLLM_KV_CACHE_DTYPES)
+        supported_kv_cache_dtypes = kv_cache_dtype_names(SPARSE_MLA, vllm=True)
 
         @staticmethod
         def get_supported_kernel_block_sizes(kv_cache_spec=None):
@@ -130,7 +129,7 @@ def _build_classes() -> tuple:
             model_config = vllm_config.model_config
             self.num_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
             self.max_model_len = model_config.max_model_len
-            self.kv_cache_dtype = _openmla_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
+            self.cache_format = cache_format_of(vllm_config.cache_config.cache_dtype)
             self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
 
         def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -140,7 +139,7 @@ def _build_classes() -> tuple:
             args, host = plan_inputs(cm)
             plan = build_sparse_mla_plan(
                 *args, block_size=self.kv_cache_spec.block_size, num_heads=self.num_heads,
-                kv_cache_dtype=self.kv_cache_dtype, max_model_len=self.max_model_len,
+                kv_cache_dtype=self.cache_format, max_model_len=self.max_model_len,
                 decode_threshold=self.reorder_batch_threshold or 1, **host)
             return OpenMLASparseMetadata(
                 plan=plan, num_reqs=cm.num_reqs, num_actual_tokens=T,
@@ -172,7 +171,7 @@ def _build_classes() -> tuple:
             self.kv_cache_dtype = kv_cache_dtype
             self.kv_lora_rank = mla_args["kv_lora_rank"]
             self._mla_args = mla_args
-            self._openmla_dtype = _openmla_kv_cache_dtype(kv_cache_dtype)
+            self.cache_format = cache_format_of(kv_cache_dtype)
             self._openmla: Optional[SparseMLAImpl] = None
             self.init_topk_indices_buffer(indexer, topk_indices_buffer)
 
@@ -182,7 +181,7 @@ def _build_classes() -> tuple:
             if self._openmla is None or self._openmla.workspace_rows < plan.workspace_rows:
                 a = self._mla_args
                 self._openmla = SparseMLAImpl(
-                    self.num_heads, self.scale, self._openmla_dtype,
+                    self.num_heads, self.scale, self.cache_format,
                     kv_lora_rank=a["kv_lora_rank"], qk_rope_head_dim=a["qk_rope_head_dim"],
                     qk_nope_head_dim=a["qk_nope_head_dim"], v_head_dim=a["v_head_dim"],
                     max_model_len=plan.workspace_rows, workspace_rows=plan.workspace_rows)
@@ -202,13 +201,13 @@ def _build_classes() -> tuple:
 
         def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
                                k_scale) -> None:
-            """kv_c_normed [T, 512], k_pe [T, 1, 64] or [T, 64]; slots < 0 are skipped."""
+            """kv_c_normed [T, 512], k_pe [T, 1, 64] or [T, 64]; slots < 0 are skipped. The
+            cache is in the format resolved at construction (vLLM passes the layer's same
+            kv_cache_dtype here)."""
             if kv_cache.numel() == 0:
                 return
-            from openmla.quant.mla_formats import MLA_FORMATS
-            fmt = MLA_FORMATS[_openmla_kv_cache_dtype(kv_cache_dtype)]
             write_mla_cache(kv_c_normed, k_pe.reshape(k_pe.shape[0], -1), kv_cache,
-                            slot_mapping.flatten(), fmt=fmt, check_slots=False)
+                            slot_mapping.flatten(), fmt=self.cache_format, check_slots=False)
 
     return (OpenMLASparseBackend, OpenMLASparseMetadata, OpenMLASparseMetadataBuilder,
             OpenMLASparseImpl)

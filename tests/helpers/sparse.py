@@ -7,13 +7,11 @@ import math
 import torch
 
 from openmla.mla.absorb import attention_unabsorbed, dequantize_fp8_blocks, quantize_fp8_blocks
-from openmla.quant import BF16_MLA, FP8_DS_MLA
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, random_paged_cache, shuffled_block_table
 
 SCALE = 0.083
 N_NOPE, ROPE, V_DIM, L = 128, 64, 128, 512
 INVALID = [INT32_MIN, -123456, -1, INT32_MAX]
-FORMATS = {"bf16": BF16_MLA, "auto": BF16_MLA, "fp8_ds_mla": FP8_DS_MLA}
 # (context, new tokens) per request, decodes first as the engine orders them.
 MIXED_BATCH = [(30, 1), (47, 1), (20, 3), (37, 3), (10, 6), (0, 9), (22, 8), (5, 7)]
 # rows (token of a request, as (request, i)) whose indices are all invalid: out must be 0
@@ -38,7 +36,7 @@ class Step:
     def __init__(self, impl, reqs, *, block_size, topk, padding, seed, empty_rows=()):
         g = torch.Generator().manual_seed(seed)
         self.g = g
-        fmt = FORMATS[impl.kv_cache_dtype]
+        fmt = impl.cache_format
         H, bs = impl.num_heads, block_size
         self.reqs = reqs
         R = len(reqs)

@@ -156,7 +156,7 @@ def test_split_counts_agree(num_splits):
     topk_length = torch.tensor([200, 40], dtype=torch.int32, device=DEVICE)
     sink = torch.randn(16).to(DEVICE)
     out = torch.empty(2, 16, 512, dtype=torch.bfloat16, device=DEVICE)
-    lse = _launch(q, cache, idx, topk_length, sink, out, SCALE, config=dict(BLOCK_N=16),
+    lse = _launch(q, cache, idx, topk_length, sink, out, SCALE, FP8_DS_MLA, config=dict(BLOCK_N=16),
                   num_splits=num_splits)
     want, want_lse = sparse_mla_decode_ref(q, cache, idx, scale=SCALE, topk_length=topk_length,
                                            attn_sink=sink)
@@ -187,8 +187,24 @@ def test_registered_custom_op():
     q, cache, idx = make_inputs("fp8", 2, 3, 16, 2, 16, seed=5)
     out = torch.empty(2, 3, 512, dtype=torch.bfloat16, device=DEVICE)
     op = torch.ops.openmla.sparse_mla_decode.default
-    torch.library.opcheck(op, (q, cache, idx, None, None, out, SCALE),
+    torch.library.opcheck(op, (q, cache, idx, None, None, out, SCALE, "fp8_ds_mla"),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_call_goes_through_the_custom_op(monkeypatch):
+    """Under torch.compile the public op calls the registered custom op (eager calls launch
+    directly); both give the same result."""
+    from openmla.kernels.sparse_mla_decode import op as decode_op
+    q, cache, idx = make_inputs("fp8", 2, 3, 16, 2, 16, seed=6)
+    want, want_lse = sparse_mla_decode(q, cache, idx, scale=SCALE)
+    calls = []
+    real = decode_op._sparse_mla_decode_op
+    monkeypatch.setattr(decode_op, "_sparse_mla_decode_op", lambda *a: calls.append(1) or real(*a))
+    torch._dynamo.reset()
+    got, got_lse = torch.compile(lambda *a: sparse_mla_decode(*a, scale=SCALE), backend="eager")(q, cache, idx)
+    torch._dynamo.reset()
+    assert calls, "torch.compile did not reach the registered op"
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
 
 
 @GPU_ONLY

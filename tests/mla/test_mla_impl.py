@@ -22,7 +22,7 @@ from openmla.mla.absorb import attention_unabsorbed
 from openmla.mla.sparse.impl import SparseMLAImpl
 from tests.helpers import DEVICE, assert_close, random_paged_cache, shuffled_block_table
 from tests.helpers.sparse import (
-    EMPTY_ROWS, FORMATS, INVALID, MIXED_BATCH, N_NOPE, ROPE, SCALE, V_DIM, L, Step, kv_b_proj_fp8,
+    EMPTY_ROWS, INVALID, MIXED_BATCH, N_NOPE, ROPE, SCALE, V_DIM, L, Step, kv_b_proj_fp8,
     reference_weight,
 )
 
@@ -153,7 +153,7 @@ def test_misuse_raises():
     args = (step.q_nope, step.q_pe, step.cache, step.topk_indices)
     # a plan built for a bf16 cache, or for another batch, is refused before any kernel runs
     bf16_impl, bf16_step = _small_step("bf16")
-    with pytest.raises(ValueError, match="plan.kv_cache_format: expected 'fp8_ds_mla'"):
+    with pytest.raises(ValueError, match="plan.cache_format: expected 'fp8_ds_mla'"):
         impl.forward(*args, bf16_step.plan(bf16_impl, threshold=1))
     other, _ = _small_step("fp8_ds_mla")
     other_step = Step(other, [(5, 1), (3, 1), (2, 1)], block_size=16, topk=4, padding=0, seed=3)
@@ -191,7 +191,7 @@ def run_decode_steps(kv, fp8_path, H, qlen, *, capture, R, M, bs, topk, ctx_rang
     w_ref = reference_weight(w8, s).double()
     impl = SparseMLAImpl(H, SCALE, kv, max_model_len=bs * M, fp8_path=fp8_path)
     impl.load_kv_b_proj(w8.to(device), s.to(device))
-    fmt = FORMATS[kv]
+    fmt = impl.cache_format
     num_blocks = R * M + 4
     cache, backing = random_paged_cache(num_blocks, bs, fmt.row_width, fmt.cache_dtype, device=device)
     bt_cpu = shuffled_block_table(R, M, num_blocks, generator=g, device="cpu")

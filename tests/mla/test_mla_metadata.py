@@ -106,7 +106,7 @@ def test_path_choice(kv, H, fp8_path, want):
                                  kv_cache_dtype=kv, max_model_len=64, fp8_path=fp8_path,
                                  query_lens_cpu=qlens, seq_lens_cpu=seq)
     assert plan.path == want
-    assert plan.kv_cache_format == ("bf16" if kv in ("bf16", "auto") else "fp8_ds_mla")
+    assert plan.cache_format is (BF16_MLA if kv in ("bf16", "auto") else FP8_DS_MLA)
     assert (plan.num_tokens, plan.num_reqs, plan.block_size, plan.num_heads) == (7, 3, BLOCK_SIZE, H)
     assert plan.req_id_per_token.dtype == torch.int32
     assert plan.req_id_per_token.tolist() == req_ids_loop(qlens, 7)
@@ -261,7 +261,8 @@ def test_plan_reuse_matches():
 @pytest.mark.parametrize("args,match", [
     pytest.param(_inputs(8, 64), r"q.shape\[0\]: expected 7 \(the plan's num_tokens\), got 8", id="tokens"),
     pytest.param(_inputs(7, 32), r"q.shape\[1\]: expected 64 \(the plan's num_heads\), got 32", id="heads"),
-    pytest.param(_inputs(7, 64, fmt=BF16_MLA), "cache: expected a fp8_ds_mla cache", id="cache-format"),
+    pytest.param(_inputs(7, 64, fmt=BF16_MLA), r"cache: expected \[num_blocks, block_size, 656\] torch.uint8 "
+                 r"\(a fp8_ds_mla cache\)", id="cache-format"),
     pytest.param(_inputs(7, 64, bs=64), r"cache.shape\[1\] \(block_size\): expected 16", id="block-size"),
     pytest.param(_inputs(7, 64)[:2] + (torch.zeros(6, 5, dtype=i32, device=DEVICE),),
                  r"topk_indices.shape\[0\]: expected 7", id="indices-rows"),

@@ -131,7 +131,7 @@ def test_registered_as_custom_op():
     kc = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16, device=DEVICE)
     slots = torch.tensor([0, -1, 5], device=DEVICE)
     torch.library.opcheck(torch.ops.openmla.write_kv_cache.default,
-                          (key, key.clone(), kc, kc.clone(), slots, None, None, "NHD", None, None),
+                          (key, key.clone(), kc, kc.clone(), slots, None, None, "NHD", None, None, "bf16"),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -392,5 +392,5 @@ def test_int8_registered_as_custom_op():
     key, kc, vc, ksc, vs, _ = _int8_setup()
     slots = torch.tensor([0, -1, 5], device=DEVICE)
     torch.library.opcheck(torch.ops.openmla.write_kv_cache.default,
-                          (key, key.clone(), kc, vc, slots, None, vs, "NHD", ksc, None),
+                          (key, key.clone(), kc, vc, slots, None, vs, "NHD", ksc, None, "int8_qkv"),
                           test_utils=("test_schema", "test_faketensor"))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
+from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW, INT8_QKV
 from openmla.quant.mla_writer import write_mla_cache
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, random_paged_cache
 from tests.helpers.quant import near_pow2_amax, outlier_channels
@@ -198,9 +198,12 @@ def test_bad_arguments_raise_valueerror_naming_the_tensor(name, mutate, match):
 
 
 @pytest.mark.parametrize("cache_fmt,fmt,match", [
-    pytest.param(FP8_DS_MLA, BF16_MLA, r"fmt: expected a format of the cache \(fp8_ds_mla", id="bf16-fmt-on-fp8-cache"),
-    pytest.param(BF16_MLA, FP8_DS_MLA_RAW, r"fmt: expected a format of the cache \(bf16", id="fp8-fmt-on-bf16-cache"),
-    pytest.param(FP8_DS_MLA, "pow2", r"fmt: expected an FP8DSMLAFormat or BF16MLAFormat", id="fmt-string"),
+    pytest.param(FP8_DS_MLA, BF16_MLA, r"fmt: expected a format of the cache \(torch.uint8 rows of 656\), got "
+                 r"bf16 \(rows of 576 torch.bfloat16\)", id="bf16-fmt-on-fp8-cache"),
+    pytest.param(BF16_MLA, FP8_DS_MLA_RAW, r"fmt: expected a format of the cache \(torch.bfloat16 rows of 576\), "
+                 r"got fp8_ds_mla_raw", id="fp8-fmt-on-bf16-cache"),
+    pytest.param(FP8_DS_MLA, "pow2", r"fmt: expected a sparse MLA cache format", id="fmt-string"),
+    pytest.param(FP8_DS_MLA, INT8_QKV, r"fmt: expected a sparse MLA cache format", id="fmt-mha"),
 ])
 def test_fmt_must_match_the_cache(cache_fmt, fmt, match):
     args = _ok()

@@ -28,7 +28,7 @@ import openmla.mla.vllm.sparse as vb  # noqa: E402
 from openmla.mla.sparse.impl import SparseMLAImpl  # noqa: E402
 from tests.helpers import DEVICE, assert_close, random_paged_cache  # noqa: E402
 from tests.helpers.sparse import (  # noqa: E402
-    EMPTY_ROWS, MIXED_BATCH, N_NOPE, ROPE, SCALE, V_DIM, L, FORMATS, Step, kv_b_proj_fp8,
+    EMPTY_ROWS, MIXED_BATCH, N_NOPE, ROPE, SCALE, V_DIM, L, Step, kv_b_proj_fp8,
     reference_weight,
 )
 
@@ -54,7 +54,7 @@ LAYER_CASES = [  # vLLM cache_dtype, H, block_size, topk, expected path
 
 @pytest.mark.parametrize("kv,H,bs,topk,path", LAYER_CASES)
 def test_build_and_forward_mixed_batch(kv, H, bs, topk, path):
-    ours = vb.VLLM_KV_CACHE_DTYPES[kv]
+    ours = vb.cache_format_of(kv)
     g = torch.Generator().manual_seed(H * 100 + bs)
     w8, s = kv_b_proj_fp8(H, g)
     ref_impl = SparseMLAImpl(H, SCALE, ours, max_model_len=64)
@@ -94,7 +94,7 @@ def test_build_and_forward_mixed_batch(kv, H, bs, topk, path):
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_ds_mla"])
 def test_do_kv_cache_update_matches_openmla_writer(kv):
     """vLLM hands k_pe as [T, 1, 64]; slot -1 is skipped; bytes equal quant.write_mla_cache's."""
-    fmt = FORMATS[vb.VLLM_KV_CACHE_DTYPES[kv]]
+    fmt = vb.cache_format_of(kv)
     g = torch.Generator().manual_seed(7)
     T, bs = 9, 5
     kv_c = torch.randn(T, L, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -103,7 +103,7 @@ def test_do_kv_cache_update_matches_openmla_writer(kv):
     a, _ = random_paged_cache(6, bs, fmt.row_width, fmt.cache_dtype)
     b = a.clone()
     vllm_impl(2, kv, None).do_kv_cache_update(kv_c, k_pe, a, slots, kv, k_scale=None)
-    SparseMLAImpl(2, SCALE, vb.VLLM_KV_CACHE_DTYPES[kv], max_model_len=8).write_cache(
+    SparseMLAImpl(2, SCALE, fmt, max_model_len=8).write_cache(
         kv_c, k_pe[:, 0], b, slots)
     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
