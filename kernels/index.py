@@ -4,6 +4,13 @@ The indexer of a DeepSeek-V3.2 layer picks, for each query token, top-k position
 request*. The decode kernel wants global slots of the paged cache; the prefill kernel wants rows
 of the bf16 workspace that a chunk of prefill requests was gathered into. This op does both in one
 pass over the indices, any topk, no host sync.
+
+Request isolation (DESIGN.md): given the requests' lengths (`seq_lens`), a position at or past
+its own request's length is invalid (-1) on both paths, like a negative one: the indexer's
+positions live in [0, seq_len) of their request, and a position outside it must never become a
+slot of a stale or reused block, nor a workspace row of the next request (the workspace packs
+the requests of a chunk back to back). The length is read on the device per token (no host
+sync, CUDA-graph capturable: the engine's seq_lens tensor is updated in place between steps).
 """
 from __future__ import annotations
 
@@ -20,14 +27,18 @@ _INT32_MAX = 2**31 - 1
 
 @triton.jit
 def convert_req_index_to_global_kernel(
-    req_id_ptr, block_table_ptr, tok_ptr, out_ptr, count_ptr, ws_rid_ptr, ws_start_ptr,
+    req_id_ptr, block_table_ptr, tok_ptr, out_ptr, count_ptr, ws_rid_ptr, ws_start_ptr, len_ptr,
     K, M, R, R_WS, block_size,
     stride_bt, stride_tok, stride_out,
-    BLOCK_K: tl.constexpr, HAS_WS: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_WS: tl.constexpr, COUNT: tl.constexpr, HAS_LEN: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     req = tl.load(req_id_ptr + i_t).to(tl.int64)
     req_ok = (req >= 0) & (req < R)
+    if HAS_LEN:
+        # request isolation: positions at or past the request's length are invalid on both paths
+        # (a token of no request has length 0)
+        n_len = tl.load(len_ptr + req, mask=req_ok, other=0).to(tl.int64)
     if HAS_WS:
         rid = tl.load(ws_rid_ptr + i_t).to(tl.int64)
         is_pf = rid >= 0
@@ -40,6 +51,8 @@ def convert_req_index_to_global_kernel(
         m_k = (k0 + o_k) < K
         idx = tl.load(tok_ptr + i_t * stride_tok + k0 + o_k, mask=m_k, other=-1).to(tl.int64)
         pos = idx >= 0
+        if HAS_LEN:
+            pos = pos & (idx < n_len)
         blk = tl.where(pos, idx // block_size, 0)
         m_blk = m_k & pos & (blk < M) & req_ok
         entry = tl.load(block_table_ptr + req * stride_bt + blk, mask=m_blk, other=-1).to(tl.int64)
@@ -57,7 +70,7 @@ def convert_req_index_to_global_kernel(
         tl.store(count_ptr + i_t, tl.sum(count, axis=0))
 
 
-def _launch(req_id, block_table, token_indices, block_size, ws_rid, ws_start, out, counts):
+def _launch(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens, out, counts):
     T, K = token_indices.shape
     block_k = min(1024, triton.next_power_of_2(max(K, 16)))
     dummy = out  # never dereferenced when the matching constexpr flag is off
@@ -66,10 +79,12 @@ def _launch(req_id, block_table, token_indices, block_size, ws_rid, ws_start, ou
         counts if counts is not None else dummy,
         ws_rid if ws_rid is not None else dummy,
         ws_start if ws_start is not None else dummy,
+        seq_lens if seq_lens is not None else dummy,
         K, block_table.shape[1], block_table.shape[0],
         ws_start.shape[0] if ws_start is not None else 0, block_size,
         block_table.stride(0), token_indices.stride(0), out.stride(0),
         BLOCK_K=block_k, HAS_WS=ws_rid is not None, COUNT=counts is not None,
+        HAS_LEN=seq_lens is not None,
     )
 
 
@@ -80,6 +95,7 @@ def convert_req_index_to_global(
     block_size: int,
     *,
     workspace: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    seq_lens: Optional[torch.Tensor] = None,
     return_valid_counts: bool = False,
 ):
     """Convert per-request token indices to global cache slots (DESIGN.md, Index conversion).
@@ -92,11 +108,17 @@ def convert_req_index_to_global(
         workspace: optional (request_ids [T] int32, starts [R_prefill] int32) for a prefill chunk:
             tokens with request_ids[t] >= 0 map to workspace rows `starts[request_ids[t]] + idx`
             instead of cache slots; request_ids[t] = -1 marks a decode token (block table path).
+        seq_lens: optional [R] int32, each request's length (the block table row's tokens); given,
+            an index >= seq_lens[req_id[t]] is invalid on both paths (request isolation: it is
+            never turned into a slot of the request's blocks past its tokens, nor into a
+            workspace row of the next request). The layer passes it (mla.sparse.impl); without
+            it only the block table bounds an index.
         return_valid_counts: also return the number of valid outputs per token.
 
     Returns:
-        out: [T, K] int32. -1 where idx < 0, idx // block_size >= M, the block table entry is < 0,
-            req_id is outside [0, R), or the result would not fit int32; otherwise
+        out: [T, K] int32. -1 where idx < 0, idx >= seq_lens[req_id] (when given),
+            idx // block_size >= M, the block table entry is < 0, req_id is outside [0, R), or
+            the result would not fit int32; otherwise
             block_table[req_id, idx // block_size] * block_size + idx % block_size (or the workspace row).
         counts: [T] int32 valid outputs per token, when return_valid_counts.
     """
@@ -117,12 +139,15 @@ def convert_req_index_to_global(
         ws_rid, ws_start = workspace
         check_tensor("workspace.request_ids", ws_rid, dtype=torch.int32, shape=(T,))
         check_tensor("workspace.starts", ws_start, dtype=torch.int32, ndim=1, contiguous=True)
+    if seq_lens is not None:
+        check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(block_table.shape[0],), contiguous=True)
     check_same_device(token_indices=token_indices, req_id=req_id, block_table=block_table,
+                      seq_lens=seq_lens,
                       **{"workspace.request_ids": ws_rid, "workspace.starts": ws_start})
     req_id = req_id.contiguous()
     out = torch.empty(T, K, dtype=torch.int32, device=token_indices.device)
     counts = torch.empty(T, dtype=torch.int32, device=out.device) if return_valid_counts else None
     if T > 0:
         _launch(req_id, block_table, token_indices, block_size,
-                None if ws_rid is None else ws_rid.contiguous(), ws_start, out, counts)
+                None if ws_rid is None else ws_rid.contiguous(), ws_start, seq_lens, out, counts)
     return (out, counts) if return_valid_counts else out

@@ -501,18 +501,25 @@ def merge_attn_states_ref(a_out, a_lse, b_out, b_lse):
 # Index conversion
 # ---------------------------------------------------------------------------------------------
 
-def convert_req_index_ref(req_id, block_table, token_indices, block_size, *, workspace=None):
+def convert_req_index_ref(req_id, block_table, token_indices, block_size, *, workspace=None,
+                          seq_lens=None):
     """Per-request token index -> global slot (DESIGN.md, Index conversion), vectorized torch.
 
     req_id [T], block_table [R, M], token_indices [T, K], block_size > 0; workspace optional
-    (request_ids [T], -1 for decode tokens; starts [R_prefill]). Returns int32 [T, K]:
-    -1 where idx < 0, idx // block_size >= M, req_id outside [0, R), the block table entry < 0,
-    or the result exceeds int32; else block_table[req, idx // bs] * bs + idx % bs, or for a token
-    with request_ids[t] >= 0: starts[request_ids[t]] + idx (-1 if idx < 0 or the id >= R_prefill).
+    (request_ids [T], -1 for decode tokens; starts [R_prefill]); seq_lens optional [R]. Returns
+    int32 [T, K]: -1 where idx < 0, idx >= seq_lens[req] (when given, on both paths; a req_id
+    outside [0, R) has length 0 then), idx // block_size >= M, req_id outside [0, R), the block
+    table entry < 0, or the result exceeds int32; else block_table[req, idx // bs] * bs + idx % bs,
+    or for a token with request_ids[t] >= 0: starts[request_ids[t]] + idx (-1 if idx < 0 or the
+    id >= R_prefill).
     """
     idx = token_indices.long()
     R, M = block_table.shape
     req = req_id.long()[:, None].expand_as(idx)
+    if seq_lens is not None:
+        in_req = (req >= 0) & (req < R)
+        n_len = torch.where(in_req, seq_lens.long()[req.clamp(0, max(R - 1, 0))] if R else 0, 0)
+        idx = torch.where(idx < n_len, idx, -1)  # past its request: invalid like a negative index
     blk = torch.where(idx >= 0, idx // block_size, 0)
     ok = (idx >= 0) & (blk < M) & (req >= 0) & (req < R)
     entry = block_table.long()[req.clamp(0, max(R - 1, 0)), blk.clamp(0, max(M - 1, 0))] if R * M else \

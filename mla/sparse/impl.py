@@ -146,10 +146,10 @@ class SparseMLAImpl:
             q_nope: [T, H, n] bf16, q_pe: [T, H, r] bf16 (RoPE already applied); any strides.
             cache: this layer's cache (written for every token of the batch).
             topk_indices: [T, topk] int32, positions within each token's request, in
-                [0, seq_len) of that request (the indexer's causal top-k); < 0 is skipped (a row
-                of only those gives 0). Values >= seq_len are outside the contract: never read
-                out of bounds, but the decode path may read stale slots of the request's blocks
-                and the separate path the next request's workspace rows.
+                [0, seq_len) of that request (the indexer's causal top-k). An index < 0 or
+                >= its request's seq_len is skipped on every path (request isolation: never a
+                stale slot of the request's blocks, never another request's workspace row); a
+                row of only those gives 0.
             plan: this step's plan (build_plan), checked against the shapes here.
             out: optional [T, H, v] bf16 to write into.
 
@@ -202,10 +202,11 @@ class SparseMLAImpl:
                          last_dim_contiguous=True)
         bs = plan.block_size
 
+        # every conversion bounds an index by its own request's seq_len (request isolation)
         td = plan.num_decode_tokens
         if td > 0:
             idx = convert_req_index_to_global(plan.req_id_per_token[:td], plan.block_table,
-                                              topk_indices[:td], bs)
+                                              topk_indices[:td], bs, seq_lens=plan.seq_lens)
             sparse_mla_decode(q[:td], cache, idx, scale=self.scale, out=out[:td], fmt=self.cache_format)
         if plan.prefill_chunks:
             ws = self._get_workspace(plan, q.device)
@@ -215,7 +216,7 @@ class SparseMLAImpl:
                 t0, t1 = ch.token_start, ch.token_end
                 idx = convert_req_index_to_global(
                     plan.req_id_per_token[t0:t1], plan.block_table, topk_indices[t0:t1], bs,
-                    workspace=(ch.workspace_request_ids, ch.workspace_starts))
+                    workspace=(ch.workspace_request_ids, ch.workspace_starts), seq_lens=plan.seq_lens)
                 sparse_mla_prefill(q[t0:t1], ws[:ch.num_rows], idx, scale=self.scale, out=out[t0:t1])
         if plan.num_padding_tokens > 0:
             out[T - plan.num_padding_tokens:] = 0

@@ -113,3 +113,85 @@ def test_bad_input_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
         convert_req_index_to_global(args["req_id"], args["block_table"], args["token_indices"],
                                     args["block_size"], workspace=ws)
+
+
+# ----------------------------------------------------------------------------------------------
+# Request isolation: with seq_lens, a position at or past its own request's length is invalid on
+# both paths, whatever the block table or the workspace would make of it.
+# ----------------------------------------------------------------------------------------------
+def loop_isolated(req_id, block_table, tok, bs, seq_lens, workspace=None):
+    """loop_convert with DESIGN.md's isolation rule applied first (one element at a time)."""
+    tok = tok.clone()
+    R = block_table.shape[0]
+    for t in range(tok.shape[0]):
+        r = int(req_id[t])
+        n = int(seq_lens[r]) if 0 <= r < R else 0
+        for k in range(tok.shape[1]):
+            if int(tok[t, k]) >= n:
+                tok[t, k] = -1
+    return loop_convert(req_id, block_table, tok, bs, workspace)
+
+
+def isolation_case():
+    """Three requests of lengths 21, 9, 30 (block size 8, 4 blocks each, every entry mapped: a
+    position past a request's length still has a block table entry, as a partly filled or stale
+    block does), decode tokens of requests 0 and 1 and prefill tokens of requests 0..2 packed into
+    one workspace (starts 0, 21, 30). Each token's indices: in-range positions, then seq_len,
+    seq_len + 1, the next request's whole range (seq_len .. seq_len + its length - 1, the
+    workspace rows of the next request) and every invalid kind."""
+    bs, seq = 8, [21, 9, 30]
+    block_table = torch.arange(12, dtype=torch.int32).view(3, 4).flip(1).contiguous()
+    req_id = torch.tensor([0, 1, 0, 0, 1, 2], dtype=torch.int32)
+    rid = torch.tensor([-1, -1, 0, 0, 1, 2], dtype=torch.int32)
+    starts = torch.tensor([0, 21, 30], dtype=torch.int32)
+    K = 4 + 2 + 30 + 4
+    tok = torch.full((6, K), -1, dtype=torch.int32)
+    for t in range(6):
+        r = int(req_id[t])
+        n, nxt = seq[r], seq[(r + 1) % 3]
+        row = [0, n // 2, n - 2, n - 1, n, n + 1] + [n + j for j in range(nxt)]
+        row += [INT32_MIN, -1, 32, INT32_MAX]  # 32 = 4 blocks * 8: past the block table too
+        tok[t, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    return req_id, block_table, tok, bs, torch.tensor(seq, dtype=torch.int32), (rid, starts)
+
+
+@pytest.mark.parametrize("with_ws", [False, True], ids=["decode", "mixed-workspace"])
+def test_positions_past_seq_len_are_invalid(with_ws):
+    req_id, bt, tok, bs, seq_lens, ws = isolation_case()
+    ws = ws if with_ws else None
+    want = loop_isolated(req_id, bt, tok, bs, seq_lens, ws)
+    # what isolation removes: without seq_lens, seq_len and past it would map to real slots / rows
+    assert bool((loop_convert(req_id, bt, tok, bs, ws)[:, 4:6] >= 0).all())
+    assert bool((want[:, 4:] == -1).all()) and bool((want[:, :4] >= 0).all())
+    assert torch.equal(convert_req_index_ref(req_id, bt, tok, bs, workspace=ws, seq_lens=seq_lens), want)
+    dev = lambda x: x.to(DEVICE)
+    got, counts = convert_req_index_to_global(
+        dev(req_id), dev(bt), dev(tok), bs, workspace=None if ws is None else (dev(ws[0]), dev(ws[1])),
+        seq_lens=dev(seq_lens), return_valid_counts=True)
+    assert torch.equal(got.cpu(), want)
+    assert bool((counts.cpu() == 4).all())
+
+
+def test_isolation_of_tokens_of_no_request():
+    """A token whose req_id is outside [0, R) (padding: R) has length 0: everything invalid, on
+    both paths (a workspace id does not bring its rows back)."""
+    req_id, bt, tok, bs, seq_lens, (rid, starts) = isolation_case()
+    req_id = torch.tensor([3, -1, 3, 0, 1, 2], dtype=torch.int32)
+    want = loop_isolated(req_id, bt, tok, bs, seq_lens, (rid, starts))
+    assert bool((want[:3] == -1).all())
+    got = convert_req_index_to_global(req_id.to(DEVICE), bt.to(DEVICE), tok.to(DEVICE), bs,
+                                      workspace=(rid.to(DEVICE), starts.to(DEVICE)),
+                                      seq_lens=seq_lens.to(DEVICE))
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(convert_req_index_ref(req_id, bt, tok, bs, workspace=(rid, starts), seq_lens=seq_lens),
+                       want)
+
+
+@pytest.mark.parametrize("seq_lens, match", [
+    pytest.param(torch.zeros(3, dtype=torch.int32), r"seq_lens.shape: expected \(2,\)", id="shape"),
+    pytest.param(torch.zeros(2, dtype=torch.int64), r"seq_lens.dtype: expected torch.int32", id="dtype"),
+])
+def test_bad_seq_lens_raise(seq_lens, match):
+    with pytest.raises(ValueError, match=match):
+        convert_req_index_to_global(torch.zeros(4, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32),
+                                    torch.zeros(4, 3, dtype=torch.int32), 16, seq_lens=seq_lens)

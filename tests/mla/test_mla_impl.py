@@ -319,3 +319,49 @@ GRAPH_CASES = [
 def test_decode_step_cuda_graph(kv, fp8_path, H, qlen):
     run_decode_steps(kv, fp8_path, H, qlen, capture=True, R=6, M=8, bs=64, topk=100, ctx_range=(50, 300),
                      seed=H + qlen)
+
+
+# ----------------------------------------------------------------------------------------------
+# Request isolation: an index at or past its request's seq_len is skipped on every path.
+# ----------------------------------------------------------------------------------------------
+ISOLATION_CASES = [  # kv_cache_dtype, fp8_path, H, block_size, workspace_rows
+    pytest.param("bf16", None, 4, 16, None, id="bf16-H4-bs16"),
+    pytest.param("fp8_ds_mla", "mixed", 8, 16, None, id="fp8-mixed-H8-bs16"),
+    pytest.param("fp8_ds_mla", "separate", 8, 16, 30, id="fp8-separate-H8-bs16-ws30"),
+]
+
+
+@pytest.mark.parametrize("kv,fp8_path,H,bs,ws", ISOLATION_CASES)
+def test_indices_past_seq_len_are_skipped(kv, fp8_path, H, bs, ws):
+    """The mixed batch of test_layer_mixed_batch, with every invalid index of every row replaced
+    by positions past the row's own request: seq_len, seq_len + 1 and the next request's whole
+    range. On the separate path those are the next request's workspace rows (requests 4 and 5
+    share a chunk); on the decode paths, slots of the request's own last block past its tokens,
+    which hold stale finite latents here (a freed block's old tokens). The output must equal the
+    reference that skips them, and rows made only of them stay 0."""
+    g = torch.Generator().manual_seed(H * 1000 + bs + 1)
+    w8, s = kv_b_proj_fp8(H, g)
+    impl = SparseMLAImpl(H, SCALE, kv, max_model_len=64, fp8_path=fp8_path, workspace_rows=ws)
+    impl.load_kv_b_proj(w8.to(DEVICE), s.to(DEVICE))
+    step = Step(impl, MIXED_BATCH, block_size=bs, topk=40, padding=2, seed=H + bs + 1, empty_rows=EMPTY_ROWS)
+    R, bt = len(MIXED_BATCH), step.block_table.cpu()
+    stale = [int(bt[r, p // bs]) * bs + p % bs for r in range(R)
+             for p in range(step.seq[r], -(-step.seq[r] // bs) * bs)]
+    impl.write_cache(torch.randn(len(stale), L, generator=g).to(torch.bfloat16).to(DEVICE),
+                     torch.randn(len(stale), ROPE, generator=g).to(torch.bfloat16).to(DEVICE), step.cache,
+                     torch.tensor(stale, dtype=torch.int32, device=DEVICE))
+    toks = [r for r, (_, n) in enumerate(MIXED_BATCH) for _ in range(n)]
+    idx = step.topk_indices.cpu().clone()
+    for t, r in enumerate(toks):
+        n, nxt = step.seq[r], step.seq[(r + 1) % R]
+        past = torch.tensor([n, n + 1] + [n + j for j in range(nxt)], dtype=torch.int32)
+        skipped = (step.ref_idx[t] < 0).nonzero().flatten()
+        idx[t, skipped] = past[torch.arange(len(skipped)) % len(past)]
+    step.topk_indices = idx.to(DEVICE)
+    plan = step.plan(impl, threshold=3)
+    if fp8_path == "separate":
+        assert [(c.req_start, c.req_end) for c in plan.prefill_chunks] == [(4, 6), (6, 7), (7, 8)]
+    out = impl.forward(step.q_nope, step.q_pe, step.cache, step.topk_indices, plan)
+    assert_close("out", out, step.reference(reference_weight(w8, s), H), "bf16")
+    empty = [t for t, r in enumerate(toks) if (r, t - toks.index(r)) in EMPTY_ROWS]
+    assert len(empty) == 2 and torch.count_nonzero(out[empty]) == 0
