@@ -38,16 +38,15 @@ One kernel, `paged_attention_kernel`:
   request r's keys are rows cu_seqlens_k[r] + j of contiguous k / v.
 
 Block shapes are autotune configs keyed on shape classes (row bucket, GQA, head dim, page
-size, fp8, split count); the first call per class benchmarks them, so warm up outside CUDA-graph
-capture.
+size, fp8, split count), chosen as every op chooses them (kernels/configs.py): the first call per
+class benchmarks them, so warm up outside CUDA-graph capture.
 """
 from __future__ import annotations
-
-import os
 
 import triton
 import triton.language as tl
 
+from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.merge import merge_finish, merge_step
 from openmla.kernels.paged_attention.tile import (_attend_tile, _key_bounds, _merge_streams,
                                                   _rows)
@@ -83,9 +82,6 @@ _CONFIGS = [_config(*c) for c in _DEFAULTS] + [
     # tile; 4-warp programs only (2-warp ones with 2 streams were slower: see the notes).
     _config(16, bn, 4, 3, streams=4) for bn in (64, 128)
 ]
-# OPENMLA_AUTOTUNE=0: no benchmarking, every launch takes the first config its pruning keeps
-# (one compile per shape class instead of one per config: GPU test runs, quick experiments).
-_AUTOTUNE = os.environ.get("OPENMLA_AUTOTUNE", "1") != "0"
 
 
 def _prune(configs, named_args, **kwargs):
@@ -133,13 +129,16 @@ def _prune(configs, named_args, **kwargs):
         kept.append(c)
     if not kept:  # the smallest tile for the wanted BLOCK_M always runs
         kept = [_config(want_m or 64, 32, 4, 2)]
-    return kept if _AUTOTUNE else kept[:1]
+    return kept
 
 
-@triton.autotune(configs=_CONFIGS,
-                 key=["BLOCK_M_WANT", "GQA", "HEAD_DIM", "PAGE_SIZE", "IS_FP8", "K_INT8", "V_INT8",
-                      "NUM_SPLITS"],
-                 prune_configs_by={"early_config_prune": _prune})
+_SPACE = ConfigSpace("paged_attention_kernel", tuple(_CONFIGS),
+                     key=("BLOCK_M_WANT", "GQA", "HEAD_DIM", "PAGE_SIZE", "IS_FP8", "K_INT8",
+                          "V_INT8", "NUM_SPLITS"),
+                     prune=_prune)
+
+
+@_SPACE.autotune()
 @triton.jit
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, lens_ptr,

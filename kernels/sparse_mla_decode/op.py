@@ -35,6 +35,7 @@ from openmla.kernels.sparse_mla_decode import sm90 as _sm90
 from openmla.kernels.sparse_mla_decode import sm90_kn as _kn
 from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_factor, keep_faults, pow2_at_least,
                                                       sink_factor, split_range)
+from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.merge import merge_finish, merge_step
 from openmla.kernels.device import num_sms
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
@@ -46,9 +47,10 @@ LOG2E = 1.4426950408889634  # host: softmax scale -> log2-domain scale
 _TILES = 4  # the kernels hold the 512-wide latent as four 128-wide tiles (fp8_ds_mla's scale tiles)
 MAX_HEADS = 128
 
-# No @triton.autotune here: autotuning benchmarks on the first call, which cannot happen inside
-# CUDA-graph capture, and the best block shape is tied to the split count chosen on the host.
-# `_pick_config` picks configs from a table tuned on Hopper (docs/notes/sparse_mla_decode.md).
+# The Triton kernel's config is selected on the host, not autotuned (kernels/configs.py):
+# autotuning benchmarks on the first call, which cannot happen inside CUDA-graph capture, and the
+# split count chosen on the host depends on the block shape. `_SPACE`'s prune rule is the table
+# measured on Hopper (docs/notes/sparse_mla_decode.md).
 
 
 @triton.jit
@@ -282,15 +284,32 @@ def _interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
-def _pick_config(H: int) -> dict:
-    """Block shape per head-count bucket (the sweep that chose it: docs/notes/sparse_mla_decode.md).
+def _config(block_h, block_n, num_warps, maxnreg=None):
+    return triton.Config({"BLOCK_H": block_h, "BLOCK_N": block_n}, num_warps=num_warps,
+                         num_stages=2, maxnreg=maxnreg)
+
+
+def _table(configs, named_args, *, H):
+    """The table measured on Hopper (docs/notes/sparse_mla_decode.md), one config per head-count
+    bucket: H <= 16 in 16-head blocks of 32 rows at 4 warps, capped at 168 registers (three
+    programs per SM); larger H in 32-head blocks of 64 rows at 8 warps (one program per SM)."""
+    return [c for c in configs if (c.kwargs["BLOCK_H"] == 16) == (H <= 16)]
+
+
+_SPACE = ConfigSpace("sparse_mla_decode_kernel",
+                     (_config(16, 32, 4, maxnreg=168), _config(32, 64, 8)), key=("H",),
+                     prune=_table)
+
+
+def _pick_config(q, H: int) -> dict:
+    """The config of the Triton kernel for H heads (`_SPACE.select`), as the planner reads it.
 
     occupancy: programs of this config resident per SM (registers and shared memory), used to
-    size the split count. H <= 16: 168 registers x 128 threads and 72 KB shared -> 3 per SM.
-    Larger H: one program of 8 warps per SM (255 registers)."""
-    if H <= 16:
-        return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, maxnreg=168, occupancy=3)
-    return dict(BLOCK_H=32, BLOCK_N=64, num_warps=8, num_stages=2, maxnreg=None, occupancy=1)
+    size the split count. 16-head blocks: 168 registers x 128 threads and 72 KB shared -> 3 per
+    SM. 32-head blocks: one program of 8 warps per SM (255 registers)."""
+    c = _SPACE.select({"q_ptr": q}, H=H)
+    return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, maxnreg=c.maxnreg,
+                occupancy=3 if c.kwargs["BLOCK_H"] == 16 else 1)
 
 
 WAVES = 2  # at most about two rounds of resident programs
@@ -351,7 +370,7 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
         cfg = dict(BLOCK_H=_kn.block_h(H), BLOCK_N=_kn.BLOCK_N, occupancy=_kn.OCCUPANCY,
                    one_round=True, min_steps=_kn.MIN_STEPS)
     else:
-        cfg = _pick_config(H)
+        cfg = _pick_config(q, H)
         if config:
             cfg.update(config)
     block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
 from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
@@ -124,8 +125,19 @@ def _prune_configs(configs, named_args, **kwargs):
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
-@triton.autotune(configs=_CONFIGS, key=["H_BUCKET", "TOPK_BUCKET"],
-                 prune_configs_by={"early_config_prune": _prune_configs})
+def _defaults_first(c) -> bool:
+    """Sort key putting the sound defaults first (what runs untimed, kernels/configs.py): the
+    measured choice of 16/32-head blocks (prefetched 32-row blocks, 3 stages, 4 warps) and of
+    64-head blocks (64-row blocks with the index load in the loop, 3 stages, 8 warps)."""
+    return (c.kwargs["BLOCK_N"], c.kwargs["PREFETCH"], c.num_stages, c.num_warps) not in (
+        (32, True, 3, 4), (64, False, 3, 8))
+
+
+_SPACE = ConfigSpace("sparse_mla_prefill_kernel", tuple(sorted(_CONFIGS, key=_defaults_first)),
+                     key=("H_BUCKET", "TOPK_BUCKET"), prune=_prune_configs)
+
+
+@_SPACE.autotune()
 @triton.jit(do_not_specialize=["H", "N", "TOPK", "NUM_HB", "H_BUCKET", "TOPK_BUCKET"])
 def sparse_mla_prefill_kernel(
     q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, ml_ptr, lse_ptr,
