@@ -38,7 +38,7 @@ Where each op stands:
                                                                               IS_FP8, K_INT8,
                                                                               V_INT8, NUM_SPLITS
     sparse_mla_prefill (Triton)   sparse_mla_prefill_kernel       autotune    H_BUCKET, TOPK_BUCKET
-    sparse_mla_decode (Triton)    sparse_mla_decode_kernel        select      H (heads <= 16 or more)
+    sparse_mla_decode (Triton)    sparse_mla_decode_kernel        select      H (<= 16 or more)
 
 Not config spaces, on purpose:
 - The Gluon kernels for Hopper (`sparse_mla_*/sm90*.py`) are each written for one tile shape

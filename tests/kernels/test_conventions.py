@@ -103,10 +103,9 @@ def test_out_is_written_and_returned_first(op):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("bad,name", [
-    (lambda q, d: torch.empty(q.shape[0], q.shape[1], d, dtype=torch.float32, device=DEVICE), "out.dtype"),
-    (lambda q, d: torch.empty(q.shape[0], q.shape[1] + 1, d, dtype=q.dtype, device=DEVICE), "out.shape"),
-    (lambda q, d: torch.empty(q.shape[0], q.shape[1], d, 2, dtype=q.dtype, device=DEVICE)[..., 0],
-     "out.stride(-1)"),
+    (lambda q, d: q.new_empty(q.shape[0], q.shape[1], d, dtype=torch.float32), "out.dtype"),
+    (lambda q, d: q.new_empty(q.shape[0], q.shape[1] + 1, d), "out.shape"),
+    (lambda q, d: q.new_empty(q.shape[0], q.shape[1], d, 2)[..., 0], "out.stride(-1)"),
 ], ids=["dtype", "shape", "last-dim-strided"])
 def test_one_out_rule(op, bad, name):
     """Every op refuses the same bad out= buffers with the same message (nothing is launched)."""
