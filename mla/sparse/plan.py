@@ -20,13 +20,22 @@ only cheaper when the engine keeps it. Decode lengths need not be uniform: the d
 takes per-token indices.
 
 Host syncs: the bf16 and mixed paths and decode-only separate steps read nothing from the
-device when the engine passes `query_lens_cpu` (vLLM: `query_start_loc_cpu`), so a decode step
-can be captured in a CUDA graph; only a separate-path step with prefills may read `seq_lens`
-back when `seq_lens_cpu` is not given.
+device when the engine passes `query_lens_cpu` (vLLM: `query_start_loc_cpu`) or a
+`max_query_len` within the decode threshold; only a separate-path step with prefills may read
+`seq_lens` back when `seq_lens_cpu` is not given.
+
+CUDA graphs (DESIGN.md, Serving contract): a decode-only step runs all T rows through the
+decode kernel on every path, padding rows included (they map to request R, outside the block
+table, so every index of theirs is invalid and their output is 0). Its launches therefore
+depend on T, H, the cache and topk alone, never on how many of the T rows are real, and a
+graph captured for T replays any decode batch padded to T. The one tensor the plan makes
+itself, req_id_per_token, goes into the caller's persistent `req_id_out` buffer when given, so
+its address is the same at capture and at every later step; the others are views of the
+engine's tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
@@ -143,13 +152,17 @@ class SparseMLAPlan:
     BF16_MLA, FP8_DS_MLA or FP8_DS_MLA_RAW), path ("bf16" | "mixed" | "separate"), device.
 
     Split: tokens [0, num_decode_tokens) run through the decode kernel (all T on the bf16 and
-    mixed paths, where num_decodes = R); on the separate path, tokens [num_decode_tokens,
-    num_decode_tokens + num_prefill_tokens) run chunk by chunk (prefill_chunks) and the
-    num_padding_tokens after them (T beyond query_start_loc[R]) get out = 0.
+    mixed paths and in a decode-only step, where num_decodes = R); with prefills on the
+    separate path, tokens [num_decode_tokens, num_decode_tokens + num_prefill_tokens) run chunk
+    by chunk (prefill_chunks) and the num_padding_tokens after them (T beyond
+    query_start_loc[R]) get out = 0.
 
     Device tensors (the engine's own where possible, so in-place updates between CUDA graph
     replays are seen): req_id_per_token [T] int32 (R for padding tokens, which makes every index
     of theirs invalid), block_table [R, M] int32, seq_lens [R] int32.
+
+    Step scratch (`buffer`): intermediates every layer of the step needs (the absorbed query,
+    the latent output) are allocated once per step, not once per layer.
     """
 
     num_tokens: int
@@ -169,6 +182,21 @@ class SparseMLAPlan:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     prefill_chunks: tuple = ()
+    scratch: dict = field(default_factory=dict, repr=False)
+
+    def buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor `name` of `shape` and `dtype` that the layers of this step share,
+        allocated on the first call and returned again by later ones (layers run one after
+        another on one stream, as engines run them: a layer's intermediates are dead when the
+        next layer starts). Kept apart by whether a CUDA graph is being captured, so that a
+        graph never records a tensor allocated outside its memory pool, which the plan could
+        free while the graph still writes to it."""
+        key = (name, self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        t = self.scratch.get(key)
+        if t is None or t.shape != shape or t.dtype != dtype:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            self.scratch[key] = t
+        return t
 
     @property
     def num_padding_tokens(self) -> int:
@@ -233,6 +261,8 @@ def build_sparse_mla_plan(
     workspace_rows: Optional[int] = None,
     query_lens_cpu: Optional[HostInts] = None,
     seq_lens_cpu: Optional[HostInts] = None,
+    max_query_len: Optional[int] = None,
+    req_id_out: Optional[torch.Tensor] = None,
 ) -> SparseMLAPlan:
     """Build one step's plan from what the engine has.
 
@@ -259,9 +289,14 @@ def build_sparse_mla_plan(
             separate path needs them and reads query_start_loc back (a sync) without them.
         seq_lens_cpu: [R] host ints; the separate path with prefills reads seq_lens back (a
             sync) without them. Both must agree with the device tensors (not checked: a sync).
+        max_query_len: optional host bound on every query length (vLLM's max_query_len); when
+            it is <= decode_threshold the step is decode-only without looking at the lengths.
+        req_id_out: optional persistent int32 buffer of >= T elements on the batch's device:
+            req_id_per_token is written into its first T entries (CUDA graphs: module
+            docstring). Default: a new tensor each build.
 
     Returns a SparseMLAPlan. Decode-only steps build no prefill structures and, given
-    query_lens_cpu on the separate path, read nothing from the device.
+    query_lens_cpu or max_query_len on the separate path, read nothing from the device.
     """
     fmt = cache_format(kv_cache_dtype, SPARSE_MLA, who="sparse MLA")
     _positive_int("block_size", block_size)
@@ -282,14 +317,26 @@ def build_sparse_mla_plan(
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(R,), contiguous=True)
     check_tensor("block_table", block_table, dtype=torch.int32, shape=(R, None), last_dim_contiguous=True)
     check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), ndim=1)
-    device = check_same_device(query_start_loc=query_start_loc, seq_lens=seq_lens,
-                               block_table=block_table, slot_mapping=slot_mapping)
     T = slot_mapping.shape[0]
+    if max_query_len is not None and (isinstance(max_query_len, bool)
+                                      or not isinstance(max_query_len, int) or max_query_len < 0):
+        fail("max_query_len", "None or an int >= 0", repr(max_query_len))
+    if req_id_out is not None:
+        check_tensor("req_id_out", req_id_out, dtype=torch.int32, ndim=1, contiguous=True)
+        if req_id_out.shape[0] < T:
+            fail("req_id_out.shape[0]", f">= {T} (the step's tokens, slot_mapping.shape[0])",
+                 req_id_out.shape[0])
+    device = check_same_device(query_start_loc=query_start_loc, seq_lens=seq_lens,
+                               block_table=block_table, slot_mapping=slot_mapping,
+                               req_id_out=req_id_out)
 
     # Token -> request on the device, from shapes only: request r owns tokens
-    # [qsl[r], qsl[r+1]); a padding token past qsl[R] gets R (outside the block table).
+    # [qsl[r], qsl[r+1]); a padding token past qsl[R] gets R (outside the block table), and so
+    # does every token when R = 0. A padding request (qsl repeated) owns no token.
     tokens = torch.arange(T, dtype=torch.int32, device=device)
-    req_id_per_token = torch.searchsorted(query_start_loc[1:], tokens, right=True, out_int32=True)
+    req_id_per_token = None if req_id_out is None else req_id_out[:T]
+    req_id_per_token = torch.searchsorted(query_start_loc[1:], tokens, right=True, out_int32=True,
+                                          out=req_id_per_token)
 
     common = dict(num_tokens=T, num_reqs=R, block_size=block_size, num_heads=num_heads,
                   cache_format=fmt, path=path, decode_threshold=decode_threshold,
@@ -299,7 +346,10 @@ def build_sparse_mla_plan(
         return SparseMLAPlan(num_decodes=R, num_decode_tokens=T, num_prefills=0,
                              num_prefill_tokens=0, **common)
 
-    # Separate path: split on the host lengths.
+    # Separate path: split on the host lengths, unless the bound says every request is a decode.
+    if max_query_len is not None and max_query_len <= decode_threshold:
+        return SparseMLAPlan(num_decodes=R, num_decode_tokens=T, num_prefills=0,
+                             num_prefill_tokens=0, **common)
     if query_lens_cpu is None:
         qsl = query_start_loc.tolist()  # a sync; the engine avoids it by passing query_lens_cpu
         qlens = [qsl[i + 1] - qsl[i] for i in range(R)]
@@ -316,10 +366,11 @@ def build_sparse_mla_plan(
     nd = 0
     while nd < R and qlens[nd] <= decode_threshold:
         nd += 1
+    if nd == R:  # decode-only: every row through the decode kernel (module docstring)
+        return SparseMLAPlan(num_decodes=R, num_decode_tokens=T, num_prefills=0,
+                             num_prefill_tokens=0, **common)
     common.update(num_decodes=nd, num_decode_tokens=starts[nd], num_prefills=R - nd,
                   num_prefill_tokens=starts[R] - starts[nd])
-    if nd == R:
-        return SparseMLAPlan(**common)
 
     if seq_lens_cpu is None:
         pf_lens = seq_lens[nd:].tolist()  # a sync, on the prefill path only

@@ -15,6 +15,7 @@ Thin adapter, no kernel logic:
                                      encoder-only attention.
     OpenMLAAttentionMetadataBuilder  CommonAttentionMetadata -> openmla's AttentionPlan
                                      (mla.mha.plan.build_attention_plan), once per step.
+                                     CUDA graphs: UNIFORM_BATCH (below).
     OpenMLAAttentionImpl             forward: mla.mha.impl.PagedAttentionImpl.forward writes the
                                      step's keys and values into the layer's cache and attends
                                      (forward_includes_kv_cache_update = True).
@@ -23,6 +24,18 @@ vLLM's cache for one layer is the logical [num_blocks, H_kv, block_size, 2 * D] 
 values along the last axis; its physical order is the engine's KVCacheLayout, uint8 storage for
 fp8). The impl views it as NHD key and value caches, which openmla's kernels read through their
 strides, whatever the layout.
+
+CUDA graphs: UNIFORM_BATCH. A decode-only step (every query <= reorder_batch_threshold, 1 +
+num_speculative_tokens) is one paged_attention launch over all T rows whose grid, tile class and
+split count come from T, the padded request count, the block table's width and vLLM's
+max_query_len, all fixed for one capture size; the plan holds views of vLLM's persistent tensors
+only (query_start_loc, seq_lens, block_table, slot_mapping) and the kernels read no value back to
+the host, so a replay reads each new step at the captured addresses. vLLM's padding (requests of
+no tokens and seq_len 0, slot -1) writes nothing and gives 0 rows. Not ALWAYS: a batch with
+prefills runs as two launches (decodes, then prefills) over token ranges taken from its host
+lengths, and max_query_len picks the tile class, so a graph captured for one mix would replay
+the wrong split and tiles for another (vLLM captures its mixed-batch graphs with dummy batches of
+short queries).
 """
 from __future__ import annotations
 
@@ -31,9 +44,10 @@ from typing import Any
 
 import torch
 
-from openmla.mla.vllm.common import lazy_classes, plan_inputs
+from openmla.mla.vllm.common import attention_plan, lazy_classes
 from openmla.quant.format_types import MHA
 from openmla.quant.formats import cache_format, kv_cache_dtype_names
+from openmla.quant.validate import fail
 
 __all__ = ["BACKEND_NAME", "cache_format_of"]
 
@@ -54,12 +68,12 @@ def cache_format_of(kv_cache_dtype: str):
 def _build_classes() -> tuple:
     from vllm.v1.attention.backend import (
         AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadata,
-        AttentionMetadataBuilder, CommonAttentionMetadata, MultipleOf,
+        AttentionMetadataBuilder, CommonAttentionMetadata, MultipleOf, max_decode_query_len,
     )
     from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
     from openmla.mla.mha.impl import MAX_HEAD_SIZE, PagedAttentionImpl
-    from openmla.mla.mha.plan import AttentionPlan, build_attention_plan
+    from openmla.mla.mha.plan import AttentionPlan
 
     class OpenMLAAttentionBackend(AttentionBackend):
         """MHA/GQA over a paged KV cache on openmla's Triton kernels; any GPU Triton runs on."""
@@ -141,9 +155,8 @@ def _build_classes() -> tuple:
         put first by vLLM and run as one short-query launch; the rest as one prefill launch.
         common_prefix_len is ignored (vLLM 0.32 always passes 0: no cascade attention)."""
 
-        # Sound in principle for uniform decode batches (no host read, the engine's persistent
-        # tensors), but not yet exercised under CUDA-graph capture: declared NEVER until it is.
-        _cudagraph_support = AttentionCGSupport.NEVER
+        # decode-only batches replay in FULL graphs (module docstring)
+        _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -153,14 +166,32 @@ def _build_classes() -> tuple:
             self.num_kv_heads = kv_cache_spec.num_kv_heads
             self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
 
+        @classmethod
+        def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec) -> int:
+            # the decode launch reads each request's length from the device query_start_loc;
+            # the captured max_query_len (1 + num_speculative_tokens) bounds every one of them
+            return max_decode_query_len(vllm_config)
+
+        def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                        ) -> OpenMLAAttentionMetadata:
+            """The capture batch's metadata: a decode-only batch (as vLLM captures FULL graphs
+            for UNIFORM_BATCH backends), else ValueError (module docstring: not ALWAYS)."""
+            cm = common_attn_metadata
+            threshold = self.reorder_batch_threshold or 1
+            if cm.max_query_len > threshold:
+                fail("max_query_len of a CUDA graph capture batch",
+                     f"<= {threshold} (decode-only: {BACKEND_NAME} graphs replay decode batches)",
+                     cm.max_query_len)
+            md = self.build(0, cm)
+            assert md.plan.prefill is None and md.plan.cascade is None
+            return md
+
         def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
                   fast_build: bool = False) -> OpenMLAAttentionMetadata:
             cm = common_attn_metadata
-            args, host = plan_inputs(cm)
-            plan = build_attention_plan(
-                *args, max_query_len=cm.max_query_len, block_size=self.kv_cache_spec.block_size,
-                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                decode_threshold=self.reorder_batch_threshold or 1, use_cascade=False, **host)
+            plan = attention_plan(cm, block_size=self.kv_cache_spec.block_size,
+                                  num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                  decode_threshold=self.reorder_batch_threshold or 1)
             return OpenMLAAttentionMetadata(
                 plan=plan, num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
                 max_seq_len=cm.max_seq_len, query_start_loc=cm.query_start_loc,
@@ -211,7 +242,8 @@ def _build_classes() -> tuple:
             if self.cache_format.fp8_per_tensor:  # vLLM's layer names its scales _k_scale, _v_scale
                 impl.set_kv_scales(layer._k_scale, layer._v_scale)
             caches = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-            impl.forward(query[:n], key, value, caches, plan, output[:n])
+            impl.forward(query if query.shape[0] == n else query[:n], key, value, caches, plan,
+                         output if output.shape[0] == n else output[:n])
             return output
 
     return (OpenMLAAttentionBackend, OpenMLAAttentionMetadata, OpenMLAAttentionMetadataBuilder,

@@ -11,6 +11,7 @@ OPENMLA_SPARSE, a thin adapter with no kernel logic:
                                   head size 576, bf16 activations, MLA and sparse, any block size).
     OpenMLASparseMetadataBuilder  vLLM's CommonAttentionMetadata -> openmla's SparseMLAPlan
                                   (mla.sparse.plan.build_sparse_mla_plan), once per step.
+                                  CUDA graphs: UNIFORM_BATCH (below).
     OpenMLASparseImpl             forward_mqa: absorbed q [T, H, 576] (or (ql_nope, q_pe)), the
                                   layer's cache and the indexer's top-k (positions within each
                                   request) -> mla.sparse.impl.SparseMLAImpl.forward_mqa -> [T, H, 512].
@@ -19,6 +20,19 @@ OPENMLA_SPARSE, a thin adapter with no kernel logic:
 The shared vLLM MLA layer routes tokens by num_decode_tokens: this backend reports every token
 as a "decode" (num_prefills = 0), so the layer sends the whole batch to forward_mqa and openmla's
 plan splits decode and prefill tokens itself (mla/sparse/plan.py), as vLLM's XPU sparse backend does.
+
+CUDA graphs: UNIFORM_BATCH, as vLLM's FLASHMLA_SPARSE. vLLM captures FULL graphs of decode-only
+batches (every request 1 + num_speculative_tokens query tokens, padded to a capture size with
+requests of no tokens, seq_len 0 and slot -1), and replays one for every batch padded to its
+size. A decode-only plan runs all rows through one decode launch whose shape depends on the
+padded token count alone; the per-token request ids it computes go to a buffer the builder
+allocates once (max_num_batched_tokens rows), and its other tensors are views of vLLM's
+persistent ones, so a replay reads the new step's values at the captured addresses. Padding rows
+map to no request: their indices are all invalid and their output is 0. Batches with prefills
+are never replayed (the prefill chunks come from the batch's host lengths): vLLM runs them with
+attention outside its piecewise graphs. Decode lengths may also vary per request (1 to
+1 + num_speculative_tokens, from the device query_start_loc: vLLM's variable-length decode
+graphs).
 """
 from __future__ import annotations
 
@@ -27,9 +41,10 @@ from typing import Any, Optional
 
 import torch
 
-from openmla.mla.vllm.common import lazy_classes, plan_inputs
+from openmla.mla.vllm.common import lazy_classes, sparse_mla_plan
 from openmla.quant.format_types import SPARSE_MLA
 from openmla.quant.formats import cache_format, kv_cache_dtype_names
+from openmla.quant.validate import fail
 
 __all__ = ["BACKEND_NAME", "cache_format_of"]
 
@@ -49,11 +64,11 @@ def _build_classes() -> tuple:
     from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
     from vllm.v1.attention.backend import (
         AttentionBackend, AttentionCGSupport, AttentionMetadata, AttentionMetadataBuilder,
-        CommonAttentionMetadata, MLAAttentionImpl, MultipleOf,
+        CommonAttentionMetadata, MLAAttentionImpl, MultipleOf, max_decode_query_len,
     )
 
     from openmla.mla.sparse.impl import SparseMLAImpl
-    from openmla.mla.sparse.plan import SparseMLAPlan, build_sparse_mla_plan
+    from openmla.mla.sparse.plan import SparseMLAPlan
     from openmla.quant.mla_writer import write_mla_cache
 
     class OpenMLASparseBackend(AttentionBackend):
@@ -119,10 +134,12 @@ def _build_classes() -> tuple:
         """CommonAttentionMetadata -> SparseMLAPlan (mla.sparse.plan.build_sparse_mla_plan).
 
         Reads from vllm_config: model_config.get_num_attention_heads(parallel_config) (heads per
-        rank), model_config.max_model_len, cache_config.cache_dtype. Decodes (query_len <=
+        rank), model_config.max_model_len, cache_config.cache_dtype,
+        scheduler_config.max_num_batched_tokens (the request-id buffer). Decodes (query_len <=
         reorder_batch_threshold, raised to the speculative length) are put first by vLLM."""
 
-        _cudagraph_support = AttentionCGSupport.NEVER
+        # decode-only batches replay in FULL graphs (module docstring)
+        _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -131,16 +148,38 @@ def _build_classes() -> tuple:
             self.max_model_len = model_config.max_model_len
             self.cache_format = cache_format_of(vllm_config.cache_config.cache_dtype)
             self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+            # the plan's req_id_per_token, at one address for every step (CUDA graph replays)
+            self.req_id_buffer = torch.empty(vllm_config.scheduler_config.max_num_batched_tokens,
+                                             dtype=torch.int32, device=device)
+
+        @classmethod
+        def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec) -> int:
+            # decode rows find their request in the device query_start_loc (module docstring)
+            return max_decode_query_len(vllm_config)
+
+        def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                        ) -> OpenMLASparseMetadata:
+            """The capture batch's metadata: a decode-only batch (as vLLM captures FULL graphs
+            for UNIFORM_BATCH backends), else ValueError (a graph of a prefill would replay the
+            prefill chunks of the capture batch)."""
+            cm = common_attn_metadata
+            threshold = self.reorder_batch_threshold or 1
+            if cm.max_query_len > threshold:
+                fail("max_query_len of a CUDA graph capture batch",
+                     f"<= {threshold} (decode-only: {BACKEND_NAME} graphs replay decode batches)",
+                     cm.max_query_len)
+            md = self.build(0, cm)
+            assert md.plan.is_decode_only and md.plan.num_decode_tokens == md.plan.num_tokens
+            return md
 
         def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
                   fast_build: bool = False) -> OpenMLASparseMetadata:
             cm = common_attn_metadata
             T = cm.num_actual_tokens
-            args, host = plan_inputs(cm)
-            plan = build_sparse_mla_plan(
-                *args, block_size=self.kv_cache_spec.block_size, num_heads=self.num_heads,
-                kv_cache_dtype=self.cache_format, max_model_len=self.max_model_len,
-                decode_threshold=self.reorder_batch_threshold or 1, **host)
+            plan = sparse_mla_plan(
+                cm, block_size=self.kv_cache_spec.block_size, num_heads=self.num_heads,
+                cache_format=self.cache_format, max_model_len=self.max_model_len,
+                decode_threshold=self.reorder_batch_threshold or 1, req_id_out=self.req_id_buffer)
             return OpenMLASparseMetadata(
                 plan=plan, num_reqs=cm.num_reqs, num_actual_tokens=T,
                 max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
@@ -190,13 +229,21 @@ def _build_classes() -> tuple:
         def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
             """q: [T, H, 576] bf16 or (ql_nope [T, H, 512], q_pe [T, H, 64]); cache [blocks,
             block_size, 576] bf16 or [blocks, block_size, 656] uint8. Returns ([T, H, 512], None)."""
+            plan = attn_metadata.plan
             if isinstance(q, tuple):
-                q = torch.cat(q, dim=-1)
+                if q[0].shape[0] == plan.num_tokens and q[0].dtype == torch.bfloat16:
+                    # into the step's scratch: no allocation per layer
+                    q = torch.cat(q, dim=-1, out=plan.buffer(
+                        "q", (plan.num_tokens, self.num_heads, HEAD_SIZE), torch.bfloat16))
+                else:  # forward_mqa says what is wrong with it
+                    q = torch.cat(q, dim=-1)
             topk = self.topk_indices_buffer
             if topk is None:
                 raise RuntimeError(f"{BACKEND_NAME}: no top-k indices buffer (indexer) for this layer")
-            plan = attn_metadata.plan
-            out = self._layer(plan).forward_mqa(q, kv_c_and_k_pe_cache, topk[:q.shape[0]], plan)
+            cache = kv_c_and_k_pe_cache
+            if cache.dtype == torch.float8_e4m3fn:  # vLLM's layer hands a cache named "fp8"
+                cache = cache.view(torch.uint8)      # viewed as e4m3: the same fp8_ds_mla bytes
+            out = self._layer(plan).forward_mqa(q, cache, topk[:q.shape[0]], plan)
             return out, None
 
         def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,

@@ -46,7 +46,8 @@ def registered_in_fresh_process(name):
     return r.stdout.strip().splitlines()[-1]
 
 
-def vllm_config(H, kv_cache_dtype, max_model_len, num_speculative_tokens):
+def vllm_config(H, kv_cache_dtype, max_model_len, num_speculative_tokens,
+                max_num_batched_tokens=256):
     spec = SimpleNamespace(num_speculative_tokens=num_speculative_tokens, parallel_drafting=False)
     return SimpleNamespace(
         model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: H,
@@ -54,6 +55,7 @@ def vllm_config(H, kv_cache_dtype, max_model_len, num_speculative_tokens):
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
         compilation_config=SimpleNamespace(static_forward_context={}),  # no layers registered
         cache_config=SimpleNamespace(cache_dtype=kv_cache_dtype),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens),
         speculative_config=spec, use_v2_model_runner=True)
 
 
@@ -69,3 +71,63 @@ def common_metadata(query_start_loc, seq_lens, block_table, slot_mapping, qlens,
         max_query_len=max(qlens), max_seq_len=max(seqs), block_table_tensor=block_table,
         slot_mapping=slot_mapping, seq_lens_cpu_upper_bound=torch.tensor(seqs, dtype=torch.int32),
         **kw)
+
+
+NULL_BLOCK = 0  # vLLM's NULL_BLOCK_ID: the block-table rows of padding requests
+
+
+class EngineBuffers:
+    """vLLM's persistent per-step tensors for one CUDA-graph capture size, filled in place each
+    step as its model runner does: query_start_loc [R + 1], seq_lens [R], block table [R, M]
+    int32 and slot_mapping [T] int64, with T token rows and R = T // q_len request rows.
+
+    A decode batch of fewer tokens is padded the way vLLM pads it: padding requests own no token
+    (query_start_loc repeated), have seq_len 0 and a block-table row of NULL_BLOCK; padding
+    tokens have slot -1. `metadata()` is CommonAttentionMetadata's fields over these tensors
+    (the views vLLM hands a builder), so the same dict builds vLLM's class or a stand-in."""
+
+    def __init__(self, T, R, M, device):
+        self.T, self.R, self.M = T, R, M
+        self.query_start_loc = torch.zeros(R + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(R, dtype=torch.int32, device=device)
+        self.block_table = torch.full((R, M), NULL_BLOCK, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=device)
+        self._host = {}
+
+    def capture_batch(self, q_len):
+        """vLLM's dummy batch for capturing a uniform decode graph: R requests of q_len tokens,
+        seq_len q_len, null blocks, no slot."""
+        self.fill([q_len] * self.R, [q_len] * self.R, None, None, max_query_len=q_len)
+
+    def fill(self, qlens, seqs, block_table, slots, *, max_query_len, qlens_cpu=None):
+        """A step of len(qlens) real requests (<= R): query lengths, seq_lens, block-table rows
+        (a [len(qlens), m] tensor with m <= M, or None for null blocks) and the slots of its
+        sum(qlens) <= T tokens (None: -1). qlens_cpu: the host query lengths vLLM keeps, when
+        they differ from the device ones (adaptive verification spreads the drafts evenly on
+        the host); default qlens."""
+        n, total = len(qlens), sum(qlens)
+        assert n <= self.R and total <= self.T
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        qsl_cpu = [0]
+        for q in (qlens if qlens_cpu is None else qlens_cpu):
+            qsl_cpu.append(qsl_cpu[-1] + q)
+        assert qsl_cpu[-1] == total
+        pad_r = self.R - n
+        self.query_start_loc.copy_(torch.tensor(qsl + [total] * pad_r, dtype=torch.int32))
+        self.seq_lens.copy_(torch.tensor(list(seqs) + [0] * pad_r, dtype=torch.int32))
+        self.block_table.fill_(NULL_BLOCK)
+        if block_table is not None:
+            self.block_table[:n, :block_table.shape[1]] = block_table
+        self.slot_mapping.fill_(-1)
+        if slots is not None:
+            self.slot_mapping[:total] = slots
+        self._host = dict(query_start_loc_cpu=torch.tensor(qsl_cpu + [total] * pad_r, dtype=torch.int32),
+                          seq_lens_cpu_upper_bound=torch.tensor(list(seqs) + [0] * pad_r, dtype=torch.int32),
+                          max_query_len=max_query_len, max_seq_len=max(list(seqs) + [1]))
+
+    def metadata(self):
+        return dict(query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                    num_reqs=self.R, num_actual_tokens=self.T, block_table_tensor=self.block_table,
+                    slot_mapping=self.slot_mapping, **self._host)

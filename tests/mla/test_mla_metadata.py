@@ -139,10 +139,54 @@ def test_decode_only_reads_nothing_and_builds_no_prefill(kv, H, qlens, threshold
     real = build_sparse_mla_plan(**batch(qlens, seq, padding=padding), **kw)
     assert real.req_id_per_token.tolist() == req_ids_loop(qlens, T)
     assert real.prefill_chunks == ()
-    if real.path == "separate":
-        assert (real.num_decode_tokens, real.num_padding_tokens) == (sum(qlens), padding)
+    # every row, padding included, takes the decode kernel on every path: a decode step's
+    # launches depend on T alone (what a CUDA graph captured for T replays)
+    assert (real.num_decode_tokens, real.num_padding_tokens) == (T, 0)
+
+
+@pytest.mark.parametrize("qlens,max_query_len,decode_only", [
+    pytest.param([1, 3, 2], 3, True, id="bound-within-threshold"),
+    pytest.param([1, 1], 1, True, id="decode"),
+    pytest.param([1, 3, 2], 4, False, id="bound-past-threshold"),
+])
+def test_max_query_len_bound_decides_decode_only(qlens, max_query_len, decode_only):
+    """The separate path with no host lengths: a max_query_len within decode_threshold makes
+    the step decode-only without them (meta tensors: nothing read); past it, the lengths are
+    needed (read from query_start_loc: impossible on meta)."""
+    seq = [40, 41, 42][:len(qlens)]
+    kw = dict(block_size=BLOCK_SIZE, num_heads=64, kv_cache_dtype="fp8_ds_mla", max_model_len=64,
+              decode_threshold=3, max_query_len=max_query_len)
+    if decode_only:
+        plan = build_sparse_mla_plan(**batch(qlens, seq, padding=2, device="meta"), **kw)
+        assert plan.path == "separate" and plan.is_decode_only
+        assert (plan.num_decode_tokens, plan.num_padding_tokens) == (sum(qlens) + 2, 0)
     else:
-        assert (real.num_decode_tokens, real.num_padding_tokens) == (T, 0)
+        with pytest.raises(NotImplementedError):  # meta: .tolist() of query_start_loc
+            build_sparse_mla_plan(**batch(qlens, seq, padding=2, device="meta"), **kw)
+        plan = build_sparse_mla_plan(**batch(qlens, seq, padding=2), **kw)
+        assert (plan.num_decodes, plan.num_prefills) == (3, 0)  # all <= 3 after all
+
+
+def test_req_id_out_is_written_in_place():
+    """The request ids go into the first T entries of the caller's buffer (the builder's
+    persistent one: a CUDA graph reads them at one address); the rest is left alone."""
+    qlens, seq = [2, 1, 3], [9, 20, 7]
+    buf = torch.full((12,), -99, dtype=i32, device=DEVICE)
+    for padding in (0, 3):
+        plan = _build(qlens=qlens, seq=seq, padding=padding, req_id_out=buf, decode_threshold=3)
+        T = sum(qlens) + padding
+        assert plan.req_id_per_token.data_ptr() == buf.data_ptr()
+        assert plan.req_id_per_token.shape == (T,)
+        assert buf.tolist() == req_ids_loop(qlens, T) + [-99] * (12 - T)
+
+
+def test_plan_buffer_is_step_scratch():
+    plan = _build()
+    a = plan.buffer("q", (7, 64, 576), torch.bfloat16)
+    assert a.shape == (7, 64, 576) and a.dtype == torch.bfloat16 and a.device == plan.device
+    assert plan.buffer("q", (7, 64, 576), torch.bfloat16) is a  # the next layer gets it again
+    assert plan.buffer("o", (7, 64, 512), torch.bfloat16) is not a
+    assert plan.buffer("q", (7, 64, 576), torch.float32).dtype == torch.float32
 
 
 def test_separate_prefill_chunks_match_loop():
@@ -235,6 +279,18 @@ i32 = torch.int32
     pytest.param(dict(seq=[9, 5]), ValueError, r"seq_lens\[1\]: expected >= its query length 6", id="seq-lt-query"),
     pytest.param(dict(seq=[9, 40], workspace_rows=32), ValueError, r"seq_lens\[0\]: expected <= workspace_rows = 32",
                  id="prefill-over-workspace"),
+    pytest.param(dict(max_query_len=-1), ValueError, "max_query_len: expected None or an int >= 0", id="max-q-negative"),
+    pytest.param(dict(max_query_len=True), ValueError, "max_query_len: expected None or an int >= 0", id="max-q-bool"),
+    pytest.param(dict(req_id_out=torch.zeros(7, dtype=torch.int64, device=DEVICE)), ValueError, "req_id_out.dtype",
+                 id="req-id-out-int64"),
+    pytest.param(dict(req_id_out=torch.zeros(6, dtype=i32, device=DEVICE)), ValueError,
+                 r"req_id_out.shape\[0\]: expected >= 7", id="req-id-out-short"),
+    pytest.param(dict(req_id_out=torch.zeros(8, 1, dtype=i32, device=DEVICE)), ValueError, r"req_id_out.dim\(\)",
+                 id="req-id-out-2d"),
+    pytest.param(dict(req_id_out=torch.zeros(16, dtype=i32, device=DEVICE)[::2]), ValueError,
+                 "req_id_out: expected a contiguous tensor", id="req-id-out-strided"),
+    pytest.param(dict(req_id_out=torch.zeros(8, dtype=i32, device="meta")), ValueError, "req_id_out.device",
+                 id="req-id-out-device"),
 ])
 def test_build_errors(over, exc, match):
     with pytest.raises(exc, match=match):
