@@ -77,6 +77,9 @@ class Op:
     interpreter_exact: Callable = lambda p: False
     # FlashMLA's counterpart, timed and compared beside the op when flash_mla is importable
     peer: Optional[Peer] = None
+    # inputs -> a function that runs the op as an engine replays it from a CUDA graph (the host
+    # work before each replay, then the replay), timed like eager calls into `captured ms`
+    captured: Optional[Callable] = None
 
 
 REGISTRY: dict[str, Op] = {}

@@ -10,7 +10,9 @@ bf16 matmul rate measured in the same run.
 Eager time (`eager ms`): the wall time per call of back-to-back eager calls with one synchronize
 at the end (300 calls, fewer where the kernel is long: the count is recorded), median of 5 repeats:
 what a call costs an engine that does not capture graphs, host overhead (validation, dispatch,
-launches, allocations) included.
+launches, allocations) included. Ops run as engines replay them from a CUDA graph (the 61-layer
+decode step, tools/_bench_step.py) also report `captured ms`: the wall time per call of that
+replay, host work before it included, timed as eager ms.
 
 FlashMLA (`FlashMLA ms`, `ratio` = ms / FlashMLA ms): ops with a FlashMLA counterpart (sparse
 decode over the fp8 cache, sparse prefill) also time `flash_mla` in the same process on the same
@@ -52,6 +54,7 @@ from openmla.tools._bench_core import GPU, REGISTRY, Case, NotMeasured, Op, Peer
 # The op entries: each module registers its ops on import.
 from openmla.tools import _bench_mla  # noqa: E402,F401
 from openmla.tools import _bench_mha  # noqa: E402,F401
+from openmla.tools import _bench_step  # noqa: E402,F401
 from openmla.tools import _bench_peer  # noqa: E402
 from openmla.quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor  # noqa: E402,F401  (tools/sweep.py)
 from triton.runtime.errors import InterpreterError  # noqa: E402
@@ -183,6 +186,9 @@ def run_case(op: Op, params: dict, device, skip_ref: bool = False, peer: tuple =
         case.eager_ms, case.extra["eager_timing"] = eager_time(lambda: op.run(x), *eager, kernel_ms=case.ms)
     else:
         case.extra["eager_timing"] = "not measured (interpreter)" if device.type != "cuda" else "not measured"
+    if op.captured is not None and device.type == "cuda" and eager[0] > 0:
+        case.extra["captured_ms"], case.extra["captured_timing"] = eager_time(op.captured(x), *eager,
+                                                                              kernel_ms=case.ms)
     if op.peer is not None:
         case.extra["peer"] = run_peer(case, op, x, peer, device, eager)
     if not skip_ref:
@@ -339,6 +345,12 @@ def report(result: dict) -> str:
                          "in the JSON).")
         if peer:
             notes += _peer_notes(cases)
+        captured = [c for c in cases if "captured_ms" in c.get("extra", {})]
+        if captured:
+            notes.append("captured ms: wall time per step replayed from a CUDA graph as vLLM runs one (the "
+                         "plan built eagerly, then the replay), timed as eager ms; against ms: " + ", ".join(
+                             f"{c['name']} {c['extra']['captured_ms']:.4f} ms ({c['extra']['captured_ms'] / c['ms']:.2f}x, "
+                             f"eager {c['eager_ms'] / c['ms']:.2f}x)" for c in captured) + ".")
         if notes:
             out.append(" ".join(notes) + "\n")
         out.append(caption + "\n")
@@ -415,6 +427,8 @@ def main(argv=None) -> int:
                 continue
             c = run_case(op, p, device, skip_ref=args.no_ref, peer=peer, eager=eager)
             line = f"  {c.op} {c.name}: {c.ms:.4f} ms, eager {_ms(c.eager_ms)}"
+            if "captured_ms" in c.extra:
+                line += f", captured {c.extra['captured_ms']:.4f}"
             if op.peer is not None:
                 rec = c.extra["peer"]
                 line += (f", FlashMLA {c.peer_ms:.4f} ms (eager {_ms(c.peer_eager_ms)}), max abs diff out "
