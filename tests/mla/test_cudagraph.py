@@ -213,10 +213,12 @@ def test_attention_forward_graph_replays(kv, H, H_kv, D, bs, q_len, T, opts, ste
         rp, slots = reqs.all_slots()
         ctx = torch.tensor([p < reqs.ctx[r] for r, p in rp])
         kv_new = torch.randn(2, len(rp), H_kv, D, generator=g)
-        for i in range(2):  # the contexts, as an earlier step left them
-            rows = kv_new[i][ctx]
-            kv_cache[i].view(-1, H_kv, D)[slots[ctx].to(DEVICE)] = (
-                quantize_fp8_per_tensor(rows, scales[i]) if fp8 else rows.to(cdt)).to(DEVICE)
+        for i in range(2):  # the contexts, as an earlier step left them (fp8 rows as bytes)
+            rows = quantize_fp8_per_tensor(kv_new[i][ctx], scales[i]) if fp8 else kv_new[i][ctx].to(cdt)
+            flat = kv_cache[i].view(-1, H_kv, D)
+            if fp8:
+                flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+            flat[slots[ctx].to(DEVICE)] = rows.to(DEVICE)
         reqs.fill(bufs, q_len)
         real = sum(qlens)
         query.copy_(torch.randn(T, H, D, generator=g))
