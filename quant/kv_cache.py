@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .validate import check_same_device, check_tensor, fail
+from .validate import check_quant_scale, check_same_device, check_tensor, fail
 from .format_types import MHA
 from .formats import cache_format
 from .int8 import INT8_SCALE_FLOOR, int8_quantize_rows, int8_quantize_with_scale
@@ -183,8 +183,12 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
             contiguous, other strides free (strided views welcome).
         slot_mapping: [T] int32/int64; token t goes to slot s = block * block_size + offset.
             s < 0 is skipped (padding).
-        k_scale, v_scale: for an fp8 cache, [1] fp32 per-tensor scales (required):
-            fp8 = e4m3fn(rne(x_fp32 / scale)), saturating at +-448.
+        k_scale, v_scale: for an fp8 cache, [1] fp32 per-tensor scales (required), finite and
+            > 0 (ValueError naming the scale otherwise): fp8 = e4m3fn(rne(x_fp32 / scale)),
+            saturating at +-448. Checked whenever they can be read without a device sync: scales
+            on the CPU always, device scales with check_slots (in its one host read); with
+            check_slots=False a device scale is not read (the run path: the layer checked it when
+            it was set, `PagedAttentionImpl.set_kv_scales`).
             For an int8 V cache, v_scale is the static per-channel scale [H_kv, D] fp32 (required;
             positive and finite, as `calibrate_v_scale` / `load_v_scales` give it; any strides):
             v_int8 = clamp(rne(v_fp32 / v_scale[h, d]), -127, 127), NaN -> 0.
@@ -253,11 +257,21 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
                       slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale,
                       k_scale_cache=k_scale_cache, k_smooth=k_smooth)
-    if check_slots and T > 0:
-        top = int(slot_mapping.max())  # the one host sync (see check_slots)
-        if top >= nb * bs:
+    # host reads, before anything is written: the slots with check_slots, the fp8 scales with
+    # check_slots or when they live on the CPU (no sync); all in one read
+    read_scales = is_fp8 and (check_slots or k_cache.device.type == "cpu")
+    read_slots = check_slots and T > 0
+    if read_slots or read_scales:
+        parts = [slot_mapping.max().double().reshape(1)] if read_slots else []
+        if read_scales:
+            parts += [k_scale.double(), v_scale.double()]
+        vals = torch.cat(parts).tolist()  # the one host sync (see check_slots)
+        if read_scales:
+            check_quant_scale("k_scale", vals[-2])
+            check_quant_scale("v_scale", vals[-1])
+        if read_slots and int(vals[0]) >= nb * bs:
             fail("slot_mapping", f"slots < num_blocks * block_size = {nb * bs} (or < 0: skip)",
-                 f"max {top}")
+                 f"max {int(vals[0])}")
     _write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
                        k_scale_cache, k_smooth, fmt.name)
 

@@ -26,6 +26,24 @@ def check_scale(name: str, value) -> float:
     return v
 
 
+def check_quant_scale(name: str, value) -> float:
+    """A per-tensor fp8 cache scale (k_scale / v_scale: the cache holds e4m3fn(rne(x / scale)))
+    given as a host value (a real, or a one-element tensor the caller has already read): finite and
+    > 0. A scale of 0 would saturate every element to +-448, a negative one flip every sign, NaN or
+    inf write NaN or 0 for every element. Returns it as a float; ValueError naming `name` otherwise."""
+    want = "a finite scale > 0"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            fail(f"{name}.numel()", 1, value.numel())
+        value = value.reshape(()).item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(name, want, repr(value))
+    v = float(value)
+    if not (math.isfinite(v) and v > 0):
+        fail(name, want, repr(value))
+    return v
+
+
 def check_out(out, q: torch.Tensor, d_v: int) -> torch.Tensor:
     """The `out=` argument of an attention op over q [T, H, *] (kernels/__init__.py): None
     allocates [T, H, d_v] in q's dtype; a given tensor must have that shape and dtype and a

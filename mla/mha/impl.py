@@ -35,7 +35,7 @@ from openmla.mla.mha.plan import (AttentionPlan, AttentionSubPlan, CascadePlan, 
                                 build_attention_plan)
 from openmla.quant.format_types import MHA
 from openmla.quant.formats import cache_format
-from openmla.quant.validate import check_tensor, fail
+from openmla.quant.validate import check_quant_scale, check_tensor, fail
 from openmla.quant.int8 import calibrate_v_scale, load_v_scales
 from openmla.quant.kv_cache import write_kv_cache
 
@@ -48,12 +48,18 @@ MAX_HEAD_SIZE = 256
 
 
 def _scale_tensor(name: str, s) -> torch.Tensor:
+    """An fp8 per-tensor scale as a [1] fp32 tensor. A host value (a number or a CPU tensor) must
+    be finite and > 0 (quant.validate.check_quant_scale); a device tensor is taken as it is:
+    reading it would be a host sync, and vLLM's adapter sets its layer's device scales on every
+    forward, decode included."""
     if isinstance(s, torch.Tensor):
         if s.numel() != 1:
             fail(f"{name}.numel()", 1, s.numel())
         s = s.detach().reshape(1).float()
+        if s.device.type == "cpu":
+            check_quant_scale(name, s)
     else:
-        s = torch.tensor([float(s)], dtype=torch.float32)
+        s = torch.tensor([check_quant_scale(name, s)], dtype=torch.float32)
     return s
 
 
@@ -145,9 +151,12 @@ class PagedAttentionImpl:
     # ------------------------------------------------------------------ load time
     def set_kv_scales(self, k_scale, v_scale) -> None:
         """Per-tensor fp8 dequantization scales (floats or 1-element tensors): the cache holds
-        e4m3fn(rne(x / scale)). Only meaningful for an fp8 kv_cache_dtype."""
-        self.k_scale = _scale_tensor("k_scale", k_scale)
-        self.v_scale = _scale_tensor("v_scale", v_scale)
+        e4m3fn(rne(x / scale)). Only meaningful for an fp8 kv_cache_dtype. Numbers and CPU
+        tensors must be finite and > 0 (ValueError naming the scale); a device tensor is used as
+        it is, unread (no host sync: this runs on every forward under vLLM), so check a device
+        scale where it is made (write_kv_cache with check_slots does, in its one host read)."""
+        k, v = _scale_tensor("k_scale", k_scale), _scale_tensor("v_scale", v_scale)  # both, or neither
+        self.k_scale, self.v_scale = k, v
 
     def set_v_scale(self, v_scale: torch.Tensor) -> None:
         """int8_qkv: the static per-channel V scale [H_kv, D] fp32 (v_int8 = rne(v / scale))."""

@@ -362,3 +362,23 @@ def test_forward_rejects_wrong_cache_dtype():
     impl = make_impl(8, 32, 2, cache="fp8")
     with pytest.raises(ValueError, match="k_cache.dtype"):
         impl.forward(s["query"], s["key"], s["value"], s["kv_cache"], step_plan(impl, s))
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 per-tensor scales: set_kv_scales refuses a host value that is not finite and > 0
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0, -0.5, float("nan"), float("inf"), torch.tensor([0.0]), torch.tensor(-2.0),
+                                 torch.tensor([float("nan")]), True, "0.5"],
+                         ids=["zero", "negative", "nan", "inf", "cpu-tensor-zero", "cpu-tensor-negative",
+                              "cpu-tensor-nan", "bool", "string"])
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_set_kv_scales_refuses_bad_host_scales(bad, which):
+    impl = make_impl(8, 32, 2, cache="fp8")
+    before = (impl.k_scale.clone(), impl.v_scale.clone())
+    scales = dict(k_scale=0.5, v_scale=torch.tensor([2.0]))
+    scales[which] = bad
+    with pytest.raises(ValueError, match=f"^{which}: expected a finite scale > 0, got "):
+        impl.set_kv_scales(**scales)
+    assert torch.equal(impl.k_scale, before[0]) and torch.equal(impl.v_scale, before[1]), "neither is set"
+    impl.set_kv_scales(0.5, torch.tensor([2.0]))  # good ones are taken
+    assert impl.k_scale.tolist() == [0.5] and impl.v_scale.tolist() == [2.0]
