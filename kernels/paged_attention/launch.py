@@ -9,8 +9,7 @@ the two share (row packing, splits, score options, outputs).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -34,9 +33,9 @@ MAX_SPLITS = 64
 WAVES = 2
 
 
-@dataclass(frozen=True)
-class ScoreOptions:
-    """Validated score options, as `paged_attention` documents them (window = (left, right))."""
+class ScoreOptions(NamedTuple):
+    """Validated score options, as `paged_attention` documents them (window = (left, right)).
+    Immutable, and a tuple: built on every call, it costs the host well under a microsecond."""
     scale: float
     causal: bool
     window: tuple
@@ -46,11 +45,10 @@ class ScoreOptions:
     sinks: Optional[torch.Tensor]
 
 
-@dataclass(frozen=True)
-class _KeySource:
+class _KeySource(NamedTuple):
     """Where the kernel finds request r's keys: its IS_PAGED and PAGE_SIZE constexprs with the
     arguments they give a meaning to. Built only by `paged` and `rows`, so the pair always
-    agrees."""
+    agrees (immutable, and cheap to build per call like ScoreOptions)."""
     is_paged: bool
     page_size: int
     table: torch.Tensor  # bt_ptr: the block table (paged), else an int32 tensor never read
