@@ -37,7 +37,8 @@ from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_fact
                                                       sink_factor, split_range)
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.merge import merge_finish, merge_step
-from openmla.kernels.device import num_sms
+from openmla.kernels.device import num_sms, sm90_gluon
+from openmla.kernels.launch import FastLaunch
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
 from openmla.quant.format_types import SPARSE_MLA
 from openmla.quant.formats import cache_format
@@ -350,15 +351,23 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
     return best
 
 
-def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, config=None, num_splits=None):
-    """Launch on validated inputs; writes out, returns lse [T, H] fp32. fmt: the cache's
-    sparse MLA format descriptor (the constexprs below come from it)."""
+# What a launch needs beyond its tensors, per call signature: the kernel, grid, split count and
+# constexprs depend only on shapes, strides, the format, the device and the optional inputs, so
+# they are chosen once and reused (a decode step repeats the same call every layer).
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+_TRITON = FastLaunch(sparse_mla_decode_kernel)
+_MERGE = FastLaunch(sparse_mla_decode_merge_kernel)
+_SM90 = FastLaunch(_sm90.sparse_mla_decode_sm90_kernel) if _sm90._GLUON else None
+_KN = FastLaunch(_kn.sparse_mla_decode_sm90_kn_kernel) if _kn._GLUON else None
+
+
+def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
+    """(kernel launcher, grid, the int arguments before q's strides, the cache's row strides,
+    constexprs, splits)."""
     T, H, _ = q.shape
     topk = indices.shape[1]
     is_fp8 = fmt.quantized
-    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    if T == 0:
-        return lse
     # Hopper, fp8 cache, more than 32 heads: the Gluon kernel (64-head wgmma tiles); a pinned
     # config (tests, sweeps) always means the Triton kernel
     sm90 = is_fp8 and H > 32 and not config and _sm90.usable(q, cache)
@@ -387,42 +396,71 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
     dense = block_size == 1 or stride_cb == block_size * stride_cr
     if block_size == 1:
         stride_cr = stride_cb
-    if split:
-        po = torch.empty((T, num_splits, H, fmt.latent_dim), dtype=torch.float32, device=q.device)
-        plse = torch.empty((T, num_splits, H), dtype=torch.float32, device=q.device)
-    else:
-        po = plse = lse  # unused
-    dummy = lse
-    args = (q, cache, indices,
-            topk_length if topk_length is not None else dummy,
-            attn_sink if attn_sink is not None else dummy,
-            out, lse, po, plse,
-            H, topk, chunk, num_hb, num_splits, num_blocks * block_size, block_size,
-            q.stride(0), q.stride(1), stride_cb, stride_cr, indices.stride(0), out.stride(0), out.stride(1),
-            float(scale) * LOG2E)
+    ints = (H, topk, chunk, num_hb, num_splits, num_blocks * block_size, block_size)
     consts = dict(DENSE=dense, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
                   SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n, TILE=fmt.latent_dim // _TILES,
                   ROPE=fmt.rope_dim, SCALE_OFF=fmt.scale_offset if is_fp8 else 0,
                   ROPE_OFF=fmt.rope_offset)
     if sm90:
-        _sm90.sparse_mla_decode_sm90_kernel[(T * num_hb, num_splits)](
-            *args, **consts, num_warps=_sm90.NUM_WARPS)
-    elif kn:
-        _kn.sparse_mla_decode_sm90_kn_kernel[(T * num_hb, num_splits)](
-            *args, **consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_kn.NUM_WARPS)
+        return (_SM90, (T * num_hb, num_splits), ints, (stride_cb, stride_cr),
+                dict(consts, num_warps=_sm90.NUM_WARPS), num_splits)
+    if kn:
+        return (_KN, (T * num_hb, num_splits), ints, (stride_cb, stride_cr),
+                dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_kn.NUM_WARPS), num_splits)
+    consts.update(FP8=is_fp8, ASM=not _interpreting(), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):
+        consts["maxnreg"] = cfg["maxnreg"]
+    return _TRITON, (T * num_hb, num_splits), ints, (stride_cb, stride_cr), consts, num_splits
+
+
+def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, config=None, num_splits=None):
+    """Launch on validated inputs; writes out, returns lse [T, H] fp32. fmt: the cache's
+    sparse MLA format descriptor (the constexprs below come from it)."""
+    T, H, _ = q.shape
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return lse
+    num_blocks, block_size, _ = cache.shape
+    key = (q.device, T, H, indices.shape[1], fmt, cache.dtype, num_blocks, block_size,
+           cache.stride(0), cache.stride(1), cache.data_ptr() & 15 == 0, topk_length is None,
+           attn_sink is None,
+           tuple(sorted(config.items())) if config else None, num_splits, sm90_gluon(q.device))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config,
+                                          num_splits)
+    kernel, grid, ints, cache_strides, consts, num_splits = plan
+    if num_splits > 1:
+        po = torch.empty((T, num_splits, H, fmt.latent_dim), dtype=torch.float32, device=q.device)
+        plse = torch.empty((T, num_splits, H), dtype=torch.float32, device=q.device)
     else:
-        sparse_mla_decode_kernel[(T * num_hb, num_splits)](
-            *args, FP8=is_fp8, ASM=not _interpreting(), **consts,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-        )
-    if split:
+        po = plse = lse  # unused
+    sink = attn_sink if attn_sink is not None else lse
+    length = topk_length if topk_length is not None else lse
+    args = (q, cache, indices, length, sink, out, lse, po, plse, *ints, q.stride(0), q.stride(1),
+            *cache_strides, indices.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E)
+    # the plan's key and the strides below fix every int argument and dtype; with every pointer
+    # 16-byte aligned (as the caching allocator gives them) it keys the launch too
+    aligned = (q.data_ptr() | indices.data_ptr() | out.data_ptr() | length.data_ptr()
+               | sink.data_ptr() | po.data_ptr() | plse.data_ptr() | lse.data_ptr()) & 15 == 0
+    if aligned:
+        kernel.keyed((key, q.stride(0), q.stride(1), indices.stride(0), out.stride(0), out.stride(1)),
+                     grid, *args, **consts)
+    else:
+        kernel(grid, *args, **consts)
+    if num_splits > 1:
         block_hm = min(16, triton.next_power_of_2(H))
-        sparse_mla_decode_merge_kernel[(T, triton.cdiv(H, block_hm))](
-            po, plse, attn_sink if attn_sink is not None else dummy, out, lse,
-            H, num_splits, out.stride(0), out.stride(1),
-            HAS_SINK=attn_sink is not None, BLOCK_H=block_hm, DV=fmt.latent_dim, num_warps=4,
-        )
+        margs = (po, plse, sink, out, lse, H, num_splits, out.stride(0), out.stride(1))
+        mconsts = dict(HAS_SINK=attn_sink is not None, BLOCK_H=block_hm, DV=fmt.latent_dim,
+                       num_warps=4)
+        mgrid = (T, triton.cdiv(H, block_hm))
+        if aligned:
+            _MERGE.keyed((key, out.stride(0), out.stride(1)), mgrid, *margs, **mconsts)
+        else:
+            _MERGE(mgrid, *margs, **mconsts)
     return lse
 
 
@@ -495,5 +533,12 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     out = check_out(out, q, fmt.latent_dim)
     check_same_device(q=q, cache=cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                       out=out)
-    lse = _sparse_mla_decode_op(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt.name)
+    if torch.compiler.is_compiling():
+        # traced by torch.compile: the registered op, which the compiler treats as one opaque call
+        lse = _sparse_mla_decode_op(q, cache, indices, topk_length, attn_sink, out, float(scale),
+                                    fmt.name)
+    else:
+        # eager and CUDA-graph capture: straight to the launch (the custom op's dispatcher costs
+        # more host time than the launch itself)
+        lse = _launch(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
     return out, lse
