@@ -33,6 +33,7 @@ from openmla.kernels.paged_attention import paged_attention
 from openmla.kernels.paged_attention.launch import SHORT_MAX_Q, SHORT_MAX_ROWS
 from openmla.quant.validate import check_out, check_scale, check_tensor, fail
 from openmla.quant.kv_cache import LAYOUTS, cache_dims
+from openmla.quant.mha_formats import mha_format_of
 
 __all__ = ["cascade_attention"]
 
@@ -67,7 +68,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       k_scale: Optional[torch.Tensor] = None,
                       v_scale: Optional[torch.Tensor] = None,
                       k_scale_cache: Optional[torch.Tensor] = None,
-                      k_smooth: Optional[torch.Tensor] = None,
+                      k_smooth: Optional[torch.Tensor] = None, fmt=None,
                       out: Optional[torch.Tensor] = None, return_lse: bool = False,
                       layout: str = "NHD", max_query_len: Optional[int] = None,
                       prefix_cu_seqlens_q: Optional[torch.Tensor] = None,
@@ -78,7 +79,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     Args:
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, softcap, sinks,
-        k_scale, v_scale, k_scale_cache, k_smooth, out, return_lse, layout: as
+        k_scale, v_scale, k_scale_cache, k_smooth, fmt, out, return_lse, layout: as
             `kernels.paged_attention.paged_attention` (any cache format it takes, int8 included)
             (causal; no window, no ALiBi). Every request's first common_prefix_len // block_size
             block table entries must be the same blocks (what makes the prefix shared); the
@@ -132,9 +133,11 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     check_tensor("prefix_cu_seqlens_q", prefix_cu_seqlens_q, dtype=torch.int32, shape=(2,))
     check_tensor("prefix_seq_lens", prefix_seq_lens, dtype=torch.int32, shape=(1,))
     check_tensor("suffix_seq_lens", suffix_seq_lens, dtype=torch.int32, shape=(R,))
+    if fmt is None:  # resolved once for both passes
+        fmt = mha_format_of(k_cache, v_cache)
 
     common = dict(scale=scale, softcap=softcap, k_scale=k_scale, v_scale=v_scale, layout=layout,
-                  k_scale_cache=k_scale_cache, k_smooth=k_smooth, return_lse=True)
+                  k_scale_cache=k_scale_cache, k_smooth=k_smooth, return_lse=True, fmt=fmt)
     prefix_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     splits = _prefix_num_splits(T * (H // max(h_kv, 1)), T, h_kv, common_prefix_len, q.device)
     _, prefix_lse = paged_attention(

@@ -238,7 +238,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
                  contiguous=True)
     is_fp8, k_int8 = fmt.fp8_per_tensor, fmt.k_int8
     if k_int8:
-        check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_cache.dtype, nb, bs, H, D)
+        check_int8_cache_scales(fmt, k_scale, v_scale, k_scale_cache, nb, bs, H, D)
         if k_smooth is not None:
             check_tensor("k_smooth", k_smooth, dtype=torch.float32, shape=(H, D))
     elif k_smooth is not None:
@@ -289,19 +289,19 @@ def check_mha_caches(fmt: MHAFormat, k_cache, v_cache, *, shape, model_dtype=Non
     check_tensor("v_cache", v_cache, dtype=v_want, shape=shape, last_dim_contiguous=True)
 
 
-def check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_dtype, nb, bs, H, D) -> None:
-    """Scale arguments of the int8 modes (an int8 k_cache) for the writer and the attention
+def check_int8_cache_scales(fmt: MHAFormat, k_scale, v_scale, k_scale_cache, nb, bs, H, D) -> None:
+    """Scale arguments of the int8 formats (fmt.k_int8) for the writer and the attention
     kernels: k_scale None, k_scale_cache [nb, H, bs] fp32, v_scale [H, D] fp32 for an int8
-    v_cache (int8_qkv) and None for a model-dtype one (int8_qk)."""
+    V (int8_qkv) and None for a model-dtype one (int8_qk)."""
     if k_scale is not None:
         fail("k_scale", "None for an int8 k_cache (its per-token scales are k_scale_cache)",
              "a tensor")
     if k_scale_cache is None:
         fail("k_scale_cache", f"a [{nb}, {H}, {bs}] fp32 tensor for an int8 k_cache", None)
     check_tensor("k_scale_cache", k_scale_cache, dtype=torch.float32, shape=(nb, H, bs))
-    if v_dtype == torch.int8:
+    if fmt.v_int8:
         if v_scale is None:
             fail("v_scale", f"a [{H}, {D}] fp32 per-channel scale for an int8 v_cache", None)
         check_tensor("v_scale", v_scale, dtype=torch.float32, shape=(H, D))
     elif v_scale is not None:
-        fail("v_scale", f"None for a {v_dtype} v_cache (int8_qk: V is not quantized)", "a tensor")
+        fail("v_scale", f"None for a model-dtype v_cache ({fmt.name}: V is not quantized)", "a tensor")

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Accuracy sweep: what each KV cache format costs in ATTENTION OUTPUTS, against bf16 and fp32.
 
-For every cache format (sparse MLA: bf16, fp8_ds_mla with pow2 and raw scales; MHA: bf16, fp8
-per-tensor; int8_qkv / int8_qk, with and without K smoothing), a grid of shapes and data
+For every cache format of the registry (quant.CACHE_FORMATS: sparse MLA bf16, fp8_ds_mla with
+pow2 and raw scales; MHA bf16, fp8 per-tensor, int8_qkv / int8_qk with and without K smoothing;
+not the model-dtype caches of other models: the sweep's model is bf16, so `auto` is its bf16 row
+and an fp16 cache belongs to fp16 models), a grid of shapes and data
 kinds (gaussian; outlier channels; heavy-tailed Student-t(3)), it reports the error of the
 attention output and lse against
 
@@ -50,7 +52,8 @@ if not GPU:
 
 
 from openmla.kernels import reference  # noqa: E402
-from openmla.quant import FP8_E4M3_MAX, MLA_FORMATS  # noqa: E402
+from openmla.quant import CACHE_FORMATS, FP8_E4M3_MAX, SPARSE_MLA  # noqa: E402
+from openmla.quant import formats as family_formats  # noqa: E402
 from openmla.tools.bench import fp8_per_tensor, git_revision  # noqa: E402  (bench imports no sweep)
 
 DATA_KINDS = ("gaussian", "outliers", "heavy_tailed")
@@ -125,15 +128,21 @@ def compare(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse
 
 
 # --------------------------------------------------------------------------------------------
-# The format registry. A format turns the bf16 inputs into its cache (quantize), says what the
-# oracle reads from that cache (dequantize: fp32 tensors, the query included so that formats
-# that quantize q at attention time, like int8_qkv, fit), and runs the library's kernel on it.
+# The swept cases: every format of the registry (quant.CACHE_FORMATS), each turned into the
+# sweep's case by what its descriptor says (cases_of). A case turns the bf16 inputs into the
+# format's cache (quantize), says what the oracle reads from that cache (dequantize: fp32
+# tensors, the query included so that formats that quantize q at attention time, like
+# int8_qkv, fit), and runs the library's kernel on it.
+SWEEP_DTYPE = torch.bfloat16  # the model dtype of the sweep's inputs
+
+
 @dataclass(frozen=True)
-class Format:
-    """One cache format of one family ("mla": sparse MLA decode; "mha": paged attention).
+class Case:
+    """One swept variant of a registry format, in one family ("mla": sparse MLA decode; "mha":
+    paged attention).
 
     quantize(inputs) -> state; dequantize(inputs, state) -> dict of the family oracle's tensors;
-    kernel(inputs, state) -> (out, lse) through openmla's kernel (GPU only). A format with
+    kernel(inputs, state) -> (out, lse) through openmla's kernel (GPU only). A case with
     `pending` set is listed in the output with that reason and not swept."""
 
     name: str
@@ -145,9 +154,7 @@ class Format:
     pending: Optional[str] = None
 
 
-def _mla_format(name: str, about: str) -> Format:
-    fmt = MLA_FORMATS[name]
-
+def _mla_case(fmt) -> Case:
     def quantize(x):
         n, bs = x["kv_c"].shape[0], x["block_size"]
         return fmt.pack(x["kv_c"], x["k_pe"]).view(n // bs, bs, fmt.row_width)
@@ -157,9 +164,9 @@ def _mla_format(name: str, about: str) -> Format:
 
     def kernel(x, cache):
         from openmla.kernels.sparse_mla_decode import sparse_mla_decode
-        return sparse_mla_decode(x["q"], cache, x["indices"], scale=x["scale"])
+        return sparse_mla_decode(x["q"], cache, x["indices"], scale=x["scale"], fmt=fmt)
 
-    return Format(name, "mla", about, quantize, dequantize, kernel)
+    return Case(fmt.name, "mla", fmt.about, quantize, dequantize, kernel)
 
 
 def _mha_bf16_quantize(x):
@@ -192,14 +199,14 @@ def _paged(t: torch.Tensor, table: torch.Tensor, bs: int, num_blocks: int) -> to
     return cache
 
 
-def _mha_kernel(x, st):
+def _mha_kernel(x, st, fmt):
     from openmla.kernels.paged_attention import paged_attention
     nb = x["num_blocks"]
     kc = _paged(st["k"], x["table"], x["block_size"], nb)
     vc = _paged(st["v"], x["table"], x["block_size"], nb)
     return paged_attention(x["q"], kc, vc, x["table"], x["cu_q"], x["seq_lens"], scale=x["scale"],
                            causal=True, k_scale=st["k_scale"], v_scale=st["v_scale"],
-                           return_lse=True, max_query_len=1)
+                           return_lse=True, max_query_len=1, fmt=fmt)
 
 
 def _int8_quantize(x, *, v_int8: bool, smooth: bool = False):
@@ -227,7 +234,7 @@ def _int8_dequantize(x, st):
     return {"q": q, "k": dequantize_per_token_head(st["k"], st["k_scales"]), "v": v}
 
 
-def _int8_kernel(x, st):
+def _int8_kernel(x, st, fmt):
     from openmla.kernels.paged_attention import paged_attention
     nb, bs = x["num_blocks"], x["block_size"]
     kc = _paged(st["k"], x["table"], bs, nb)
@@ -235,25 +242,32 @@ def _int8_kernel(x, st):
     ksc = _paged(st["k_scales"][..., None], x["table"], bs, nb)[..., 0].transpose(1, 2).contiguous()
     return paged_attention(x["q"], kc, vc, x["table"], x["cu_q"], x["seq_lens"], scale=x["scale"],
                            causal=True, k_scale_cache=ksc, v_scale=st["v_scale"], return_lse=True,
-                           max_query_len=1, k_smooth=st["k_smooth"])
+                           max_query_len=1, k_smooth=st["k_smooth"], fmt=fmt)
 
 
-FORMATS: list[Format] = [
-    _mla_format("bf16", "bf16 latent cache, 1152 B/token"),
-    _mla_format("fp8_ds_mla", "656 B/token, e4m3 latent, 4 fp32 tile scales 2^ceil(log2(amax/448)), bf16 rope"),
-    _mla_format("fp8_ds_mla_raw", "as fp8_ds_mla with scale amax/448 (older vLLM writers)"),
-    Format("bf16", "mha", "bf16 K/V cache", _mha_bf16_quantize, _mha_dequantize, _mha_kernel),
-    Format("fp8", "mha", "e4m3fn K/V, per-tensor k_scale/v_scale = amax/448", _mha_fp8_quantize,
-           _mha_dequantize, _mha_kernel),
-    Format("int8_qkv", "mha", "int8 Q, K (per token and head), V (per channel, abs-max calibrated)",
-           lambda x: _int8_quantize(x, v_int8=True), _int8_dequantize, _int8_kernel),
-    Format("int8_qk", "mha", "int8 Q, K (per token and head); V in bf16",
-           lambda x: _int8_quantize(x, v_int8=False), _int8_dequantize, _int8_kernel),
-    Format("int8_qkv_smooth", "mha", "int8_qkv with per-channel K smoothing (calibrate_k_smooth)",
-           lambda x: _int8_quantize(x, v_int8=True, smooth=True), _int8_dequantize, _int8_kernel),
-    Format("int8_qk_smooth", "mha", "int8_qk with per-channel K smoothing (calibrate_k_smooth)",
-           lambda x: _int8_quantize(x, v_int8=False, smooth=True), _int8_dequantize, _int8_kernel),
-]
+def cases_of(fmt) -> list:
+    """The sweep's cases of one registry format, chosen by what its descriptor says."""
+    if fmt.family == SPARSE_MLA:
+        return [_mla_case(fmt)]
+    if fmt.k_int8:  # with and without per-channel K smoothing (calibrate_k_smooth)
+        about = fmt.about + ("; V scale: abs-max of the values" if fmt.v_int8 else "")
+        return [Case(fmt.name + ("_smooth" if smooth else ""), "mha",
+                     about + ("; K smoothing" if smooth else ""),
+                     lambda x, v8=fmt.v_int8, sm=smooth: _int8_quantize(x, v_int8=v8, smooth=sm),
+                     _int8_dequantize, lambda x, st, f=fmt: _int8_kernel(x, st, f))
+                for smooth in (False, True)]
+    if fmt.fp8_per_tensor:
+        return [Case(fmt.name, "mha", fmt.about + " = amax/448", _mha_fp8_quantize, _mha_dequantize,
+                     lambda x, st, f=fmt: _mha_kernel(x, st, f))]
+    if fmt.k_dtype == SWEEP_DTYPE:
+        return [Case(fmt.name, "mha", fmt.about, _mha_bf16_quantize, _mha_dequantize,
+                     lambda x, st, f=fmt: _mha_kernel(x, st, f))]
+    # the model's dtype (auto: for the sweep's bf16 model, the bf16 row) or another model's
+    # 16-bit cache (a 16-bit cache is read in the model's dtype): nothing of a bf16 model's
+    return []
+
+
+FORMATS: list[Case] = [c for f in CACHE_FORMATS for c in cases_of(f)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +360,7 @@ def case_seed(seed: int, family: str, label: str, kind: str) -> int:
     return zlib.crc32(f"{seed}:{family}:{label}:{kind}".encode())
 
 
-def run(grid: dict, kinds, formats: list[Format], *, seed: int = 0, device=None, run_kernels: bool = GPU,
+def run(grid: dict, kinds, formats: list[Case], *, seed: int = 0, device=None, run_kernels: bool = GPU,
         progress=sys.stderr) -> list[dict]:
     """One row per (family, shape, data kind, ready format), each with its error dicts."""
     device = torch.device(device or ("cuda" if GPU else "cpu"))
@@ -387,8 +401,8 @@ def round_trip(tokens: int, seed: int, kinds) -> list[dict]:
     rows = []
     for kind in kinds:
         kv_c, k_pe = make_latents(kind, tokens, torch.Generator().manual_seed(seed))
-        for name, fmt in MLA_FORMATS.items():
-            rows.append({"format": name, "data": kind, "tokens": tokens, **round_trip_errors(fmt, kv_c, k_pe)})
+        for fmt in family_formats(SPARSE_MLA):
+            rows.append({"format": fmt.name, "data": kind, "tokens": tokens, **round_trip_errors(fmt, kv_c, k_pe)})
     return rows
 
 

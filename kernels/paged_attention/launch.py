@@ -18,6 +18,7 @@ from openmla.kernels.device import num_sms
 from openmla.kernels.paged_attention.kernel import (paged_attention_kernel,
                                                     paged_attention_reduce_kernel)
 from openmla.quant.kv_cache import cache_dims, cache_strides
+from openmla.quant.mha_formats import MHA_AUTO, MHAFormat
 
 LOG2E = 1.4426950408889634
 # Queries up to this many tokens (and GQA * tokens rows up to SHORT_MAX_ROWS) form the "short"
@@ -99,26 +100,28 @@ def launch_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, 
                  opts: ScoreOptions, *, layout: str, max_q: int, max_kv: int,
                  num_splits: Optional[int], k_scale: Optional[torch.Tensor],
                  v_scale: Optional[torch.Tensor], k_scale_cache: Optional[torch.Tensor],
-                 k_smooth: Optional[torch.Tensor]):
+                 k_smooth: Optional[torch.Tensor], fmt: MHAFormat):
     """Run `paged_attention` on validated inputs: writes out (and lse when given).
-    k_scale / v_scale: [1] fp32 for an fp8 cache; for an int8 k_cache (int8_qk / int8_qkv)
-    k_scale is None, k_scale_cache holds the per-token K scales and v_scale is None (int8_qk) or
-    the per-channel [H_kv, D] scale of an int8 V; None for bf16 / fp16 caches."""
+    fmt: the caches' format (the kernel's IS_FP8, K_INT8, V_INT8 come from it). k_scale /
+    v_scale: [1] fp32 for fp8 per tensor; for int8 K (int8_qk / int8_qkv) k_scale is None,
+    k_scale_cache holds the per-token K scales and v_scale is None (int8_qk) or the per-channel
+    [H_kv, D] scale of an int8 V; None for bf16 / fp16 caches."""
     keys = _KeySource.paged(k_cache, v_cache, block_table, seq_lens, layout)
     _launch(q, k_cache, v_cache, keys, cu_seqlens_q, out, lse, opts, max_q, max_kv, num_splits,
-            k_scale, v_scale, k_scale_cache, k_smooth)
+            k_scale, v_scale, k_scale_cache, k_smooth, fmt)
 
 
 def launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, opts: ScoreOptions, *,
                   max_q: int, max_kv: int):
     """Run `varlen_attention` on validated inputs: writes out (and lse when given)."""
     keys = _KeySource.rows(k, v, cu_seqlens_k, placeholder=cu_seqlens_q)
+    # contiguous keys are q's dtype: the model-dtype format
     _launch(q, k, v, keys, cu_seqlens_q, out, lse, opts, max_q, max_kv, None, None, None, None,
-            None)
+            None, MHA_AUTO)
 
 
 def _launch(q, k, v, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, max_q,
-            max_kv, num_splits, k_scale, v_scale, k_scale_cache, k_smooth):
+            max_kv, num_splits, k_scale, v_scale, k_scale_cache, k_smooth, fmt: MHAFormat):
     T, H, D = q.shape
     R = cu_seqlens_q.shape[0] - 1
     H_kv = keys.h_kv
@@ -126,8 +129,7 @@ def _launch(q, k, v, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOption
     s_vb, s_vt, s_vh = keys.s_v
     gqa = H // H_kv
     block_m_want, splits = _plan(T, R, H_kv, gqa, max_q, max_kv, num_sms(q.device), num_splits)
-    is_fp8 = k.dtype == torch.float8_e4m3fn
-    k_int8, v_int8 = k.dtype == torch.int8, v.dtype == torch.int8
+    is_fp8, k_int8, v_int8 = fmt.fp8_per_tensor, fmt.k_int8, fmt.v_int8
     dummy = cu_seqlens_q  # pointer arguments the kernel never reads under its flags
     ksc = k_scale_cache if k_int8 else dummy
     s_ksc = tuple(k_scale_cache.stride()) if k_int8 else (0, 0, 0)

@@ -16,7 +16,10 @@ import torch
 from openmla.kernels.paged_attention.checks import (check_q_out, check_score_options,
                                                     query_len_bound)
 from openmla.kernels.paged_attention.launch import ScoreOptions, launch_paged
-from openmla.quant.kv_cache import LAYOUTS, cache_dims, check_int8_cache_scales
+from openmla.quant.format_types import MHA
+from openmla.quant.formats import cache_format
+from openmla.quant.kv_cache import LAYOUTS, cache_dims, check_int8_cache_scales, check_mha_caches
+from openmla.quant.mha_formats import MHAFormat, mha_format_of
 from openmla.quant.validate import check_same_device, check_tensor, fail
 
 
@@ -30,13 +33,15 @@ def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         v_scale: Optional[torch.Tensor], layout: str, max_query_len: int,
                         max_kv_len: int, num_splits: int,
                         k_scale_cache: Optional[torch.Tensor],
-                        k_smooth: Optional[torch.Tensor]) -> None:
+                        k_smooth: Optional[torch.Tensor], fmt_name: str) -> None:
+    # the cache format travels by its registry name (a custom op's arguments are tensors and
+    # scalars)
     opts = ScoreOptions(scale, causal, (window_left, window_right), softcap, alibi_slopes,
                         alibi_sqrt, sinks)
     launch_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, opts,
                  layout=layout, max_q=max_query_len, max_kv=max_kv_len,
                  num_splits=num_splits or None, k_scale=k_scale, v_scale=v_scale,
-                 k_scale_cache=k_scale_cache, k_smooth=k_smooth)
+                 k_scale_cache=k_scale_cache, k_smooth=k_smooth, fmt=cache_format(fmt_name, MHA))
 
 
 @_paged_attention_op.register_fake
@@ -44,13 +49,13 @@ def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, *args)
     return None
 
 
-def _check_fp8_scales(k_scale, v_scale, k_scale_cache, cache_dtype, device):
+def _check_fp8_scales(fmt, k_scale, v_scale, k_scale_cache, cache_dtype, device):
     """[k_scale, v_scale] of a bf16/fp16 (None) or fp8 (per-tensor [1], default 1.0) cache."""
     if k_scale_cache is not None:
         fail("k_scale_cache", f"None for a {cache_dtype} k_cache (int8 K only)", "a tensor")
     scales = []
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if cache_dtype != torch.float8_e4m3fn:
+        if not fmt.fp8_per_tensor:
             if s is not None:
                 fail(name, f"None for a {cache_dtype} cache (scales dequantize fp8 only)",
                      "a tensor")
@@ -72,7 +77,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     return_lse: bool = False, layout: str = "NHD",
                     max_query_len: Optional[int] = None, num_splits: Optional[int] = None,
                     k_scale_cache: Optional[torch.Tensor] = None,
-                    k_smooth: Optional[torch.Tensor] = None):
+                    k_smooth: Optional[torch.Tensor] = None, fmt: Optional[MHAFormat] = None):
     """Attention of varlen queries over a paged KV cache (vLLM FlashAttention semantics).
 
     Args:
@@ -123,6 +128,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_smooth: optional [H_kv, D] fp32 per-channel K smoothing factors of an int8 k_cache
             written with the same factors (`write_kv_cache(..., k_smooth=)`, from
             `quant.int8.calibrate_k_smooth`): q is multiplied by them before it is quantized.
+        fmt: the caches' MHA format (a quant descriptor: MHA_AUTO, MHA_BF16, MHA_FP16,
+            FP8_PER_TENSOR, INT8_QKV, INT8_QK, or a layer's), checked against the caches; its
+            16-bit parts are q's dtype. Default: the format the cache dtypes give
+            (`quant.mha_format_of`: an int8 v_cache with an int8 k_cache is int8_qkv).
 
     Returns:
         out [T, H, D] in q's dtype; with return_lse also lse [T, H] fp32 natural log.
@@ -140,9 +149,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         fail(f"k_cache.shape ({layout})", f"head size {D} as q", want)
     if H_kv == 0 or H % H_kv:
         fail(f"k_cache.shape ({layout})", f"H_kv dividing H = {H}", want)
-    k_int8 = k_cache.dtype == torch.int8
-    v_dtypes = (torch.int8, q.dtype) if k_int8 else k_cache.dtype
-    check_tensor("v_cache", v_cache, dtype=v_dtypes, shape=want, last_dim_contiguous=True)
+    if fmt is None:
+        v_dtypes = (torch.int8, q.dtype) if k_cache.dtype == torch.int8 else k_cache.dtype
+        check_tensor("v_cache", v_cache, dtype=v_dtypes, shape=want, last_dim_contiguous=True)
+        fmt = mha_format_of(k_cache, v_cache)
+    elif not isinstance(fmt, MHAFormat):
+        fail("fmt", "an MHA cache format descriptor (quant.MHA_BF16, FP8_PER_TENSOR, INT8_QKV, ...)",
+             type(fmt).__name__)
+    else:
+        check_mha_caches(fmt, k_cache, v_cache, shape=want, model_dtype=q.dtype)
+    k_int8 = fmt.k_int8
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
     R, M = block_table.shape
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(R + 1,), contiguous=True)
@@ -151,14 +167,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_int8:
         if D % 8:
             raise NotImplementedError(f"int8 KV caches: head size {D} (supported: multiples of 8)")
-        check_int8_cache_scales(k_scale, v_scale, k_scale_cache, v_cache.dtype, nb, page, H_kv, D)
+        check_int8_cache_scales(fmt, k_scale, v_scale, k_scale_cache, nb, page, H_kv, D)
         if k_smooth is not None:
             check_tensor("k_smooth", k_smooth, dtype=torch.float32, shape=(H_kv, D))
         scales = [None, v_scale]
     else:
         if k_smooth is not None:
             fail("k_smooth", f"None for a {k_cache.dtype} k_cache (int8 K only)", "a tensor")
-        scales = _check_fp8_scales(k_scale, v_scale, k_scale_cache, k_cache.dtype, q.device)
+        scales = _check_fp8_scales(fmt, k_scale, v_scale, k_scale_cache, k_cache.dtype, q.device)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         fail("num_splits", "None or an int >= 1", num_splits)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
@@ -170,5 +186,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_attention_op(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse,
                             opts.scale, opts.causal, opts.window[0], opts.window[1], opts.softcap,
                             alibi_slopes, opts.alibi_sqrt, sinks, scales[0], scales[1], layout,
-                            max_q, M * page, num_splits or 0, k_scale_cache, k_smooth)
+                            max_q, M * page, num_splits or 0, k_scale_cache, k_smooth, fmt.name)
     return (out, lse) if return_lse else out

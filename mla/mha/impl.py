@@ -274,7 +274,8 @@ class PagedAttentionImpl:
             cascade_attention(query, k_cache, v_cache, c.block_table, c.cu_seqlens_q, c.seq_lens,
                               common_prefix_len=c.common_prefix_len, scale=self.scale,
                               softcap=self.softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                              k_scale_cache=k_scale_cache, k_smooth=k_smooth, out=output, max_query_len=c.max_query_len,
+                              k_scale_cache=k_scale_cache, k_smooth=k_smooth, fmt=self.cache_format, out=output,
+                              max_query_len=c.max_query_len,
                               prefix_cu_seqlens_q=c.prefix_cu_seqlens_q,
                               prefix_seq_lens=c.prefix_seq_lens, suffix_seq_lens=c.suffix_seq_lens)
             return output

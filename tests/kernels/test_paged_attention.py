@@ -378,5 +378,6 @@ def test_registered_as_custom_ops():
     torch.library.opcheck(
         torch.ops.openmla.paged_attention.default,
         (b["q"], b["k_cache"], b["v_cache"], b["block_table"], b["cu_seqlens_q"], b["seq_lens"],
-         out, None, 0.1, True, -1, -1, 0.0, None, False, None, None, None, "NHD", 2, 32, 0, None, None),
+         out, None, 0.1, True, -1, -1, 0.0, None, False, None, None, None, "NHD", 2, 32, 0, None, None,
+         "bf16"),
         test_utils=("test_schema", "test_faketensor"))

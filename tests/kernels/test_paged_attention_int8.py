@@ -15,6 +15,7 @@ import torch
 from openmla.kernels.cascade import cascade_attention
 from openmla.kernels.paged_attention import paged_attention
 from openmla.kernels.reference import paged_attention_ref
+from openmla.quant import FP8_PER_TENSOR, INT8_QK, INT8_QKV, MHA_AUTO
 from openmla.quant.int8 import (calibrate_k_smooth, calibrate_v_scale, quantize_per_channel_ref,
                         quantize_per_token_head_ref)
 from openmla.quant.kv_cache import cache_dims, write_kv_cache
@@ -271,6 +272,24 @@ def test_cascade_over_int8_caches(mode, smooth):
     want, want_lse = paged_attention_ref(**b, scale=0.11)
     assert_close("out", out, want, "bf16")
     assert_close("lse", lse, want_lse, "fp32")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_format_descriptor_argument(mode):
+    """fmt= (a layer's descriptor) gives what the cache dtypes alone give; the other int8 format
+    is refused: int8_qkv caches read as int8_qk would take V for the model's dtype."""
+    b = to_int8(build([(2, 30), (1, 9)], 4, 2, 16, 8), mode)
+    fmt, other = (INT8_QKV, INT8_QK) if mode == "int8_qkv" else (INT8_QK, INT8_QKV)
+    want = paged_attention(**b, scale=0.3)
+    assert torch.equal(paged_attention(**b, scale=0.3, fmt=fmt), want)
+    with pytest.raises(ValueError, match=r"v_cache\.dtype"):
+        paged_attention(**b, scale=0.3, fmt=other)
+    with pytest.raises(ValueError, match=r"k_cache\.dtype: expected torch.float8_e4m3fn"):
+        paged_attention(**b, scale=0.3, fmt=FP8_PER_TENSOR)
+    bf = build([(2, 30)], 4, 2, 16, 8)
+    assert torch.equal(paged_attention(**bf, scale=0.3, fmt=MHA_AUTO), paged_attention(**bf, scale=0.3))
+    with pytest.raises(ValueError, match="fmt: expected an MHA cache format descriptor"):
+        paged_attention(**bf, scale=0.3, fmt="auto")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -182,6 +182,22 @@ def test_scale_changes_result():
     assert not torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fmt_name", ["fp8", "fp8raw", "bf16"])
+def test_format_descriptor_argument(fmt_name):
+    """fmt= (a layer's descriptor) gives what the cache's dtype alone gives; a descriptor of
+    another format, or something else, is refused before any launch."""
+    fmt = FORMATS[fmt_name]
+    q, cache, idx = make_inputs(fmt_name, 2, 3, 20, 3, 8, seed=11)
+    want, want_lse = sparse_mla_decode(q, cache, idx, scale=SCALE)
+    got, got_lse = sparse_mla_decode(q, cache, idx, scale=SCALE, fmt=fmt)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    other = BF16_MLA if fmt.quantized else FP8_DS_MLA
+    with pytest.raises(ValueError, match=f"fmt: expected a format of the cache \\({cache.dtype}"):
+        sparse_mla_decode(q, cache, idx, scale=SCALE, fmt=other)
+    with pytest.raises(ValueError, match="fmt: expected a sparse MLA cache format"):
+        sparse_mla_decode(q, cache, idx, scale=SCALE, fmt=fmt.name)
+
+
 def test_registered_custom_op():
     """openmla::sparse_mla_decode is a torch custom op whose fake implementation passes opcheck."""
     q, cache, idx = make_inputs("fp8", 2, 3, 16, 2, 16, seed=5)

@@ -59,7 +59,12 @@ def test_sweep_default_grid_is_complete(default_sweep):
             for f in ready for k in sweep.DATA_KINDS for s in sweep.GRIDS["default"][f.family]}
     assert {(r["family"], r["format"], r["data"], r["shape"]) for r in result["rows"]} == want
     assert len(result["rows"]) == len(want)
-    # every format is measured (int8 since issue 8), none pending
+    # the cases come from the registry: every format a bf16 model has (not auto, which is its
+    # bf16 row, nor an fp16 model's cache), int8 also with K smoothing; all measured, none pending
+    assert [(f.family, f.name) for f in sweep.FORMATS] == [
+        ("mla", "bf16"), ("mla", "fp8_ds_mla"), ("mla", "fp8_ds_mla_raw"), ("mha", "bf16"),
+        ("mha", "fp8"), ("mha", "int8_qkv"), ("mha", "int8_qkv_smooth"), ("mha", "int8_qk"),
+        ("mha", "int8_qk_smooth")]
     assert result["pending"] == []
     assert {r["format"] for r in result["rows"] if r["family"] == "mha"} == {
         "bf16", "fp8", "int8_qkv", "int8_qk", "int8_qkv_smooth", "int8_qk_smooth"}
@@ -158,7 +163,7 @@ class ScalesDropped(FP8DSMLAFormat):
 def _broken_mla():
     good = next(f for f in sweep.FORMATS if f.family == "mla" and f.name == "fp8_ds_mla")
     bad = ScalesDropped()
-    return sweep.Format("broken", "mla", "fp8_ds_mla read without its scales", good.quantize,
+    return sweep.Case("broken", "mla", "fp8_ds_mla read without its scales", good.quantize,
                         lambda x, cache: {"q": x["q"], "kv": bad.unpack(cache).reshape(-1, 576)}, good.kernel)
 
 
@@ -168,7 +173,7 @@ def _broken_mha():
     def dequantize(x, st):  # v_scale applied twice
         t = good.dequantize(x, st)
         return {**t, "v": t["v"] * st["v_scale"]}
-    return sweep.Format("broken", "mha", "fp8 with v_scale applied twice", good.quantize, dequantize, good.kernel)
+    return sweep.Case("broken", "mha", "fp8 with v_scale applied twice", good.quantize, dequantize, good.kernel)
 
 
 def _tokens_swapped(family):
@@ -179,7 +184,7 @@ def _tokens_swapped(family):
     def kernel(x, st):
         out, lse = oracle(x, good.dequantize(x, st))
         return out.roll(1, 0), lse.roll(1, 0)
-    return sweep.Format("broken", family, "oracle of the neighbouring token", good.quantize, good.dequantize,
+    return sweep.Case("broken", family, "oracle of the neighbouring token", good.quantize, good.dequantize,
                         kernel)
 
 
