@@ -10,8 +10,13 @@ import torch
 
 from openmla.tools._bench_core import Op, register, rel_l2
 from openmla.kernels import reference
-from openmla.quant import FP8_E4M3_MAX
+from openmla.quant import FP8_E4M3_MAX, MHA, cache_format
 from openmla.quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor
+
+
+def _fmt(p):
+    """The MHA format a case's cache label names ("bf16", "fp8", "int8_qkv", "int8_qk")."""
+    return cache_format(p["cache"], MHA, who="bench")
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,7 +102,7 @@ def _int8_build(p, device):
     x["k_bf16"], x["v_bf16"] = x["k"], x["v"]
     x["k"], x["ksc"] = k8.view(nb, bs, Hkv, D), ks.view(nb, bs, Hkv).transpose(1, 2).contiguous()
     x["v_scale"] = None
-    if p["cache"] == "int8_qkv":
+    if _fmt(p).v_int8:
         x["v_scale"] = calibrate_v_scale(x["v"].view(nb * bs, Hkv, D))
         x["v"] = quantize_per_channel_ref(x["v"].view(nb * bs, Hkv, D), x["v_scale"]).view(nb, bs, Hkv, D)
     return x
@@ -127,7 +132,7 @@ def _int8_error(x, out):
 def _int8_count(p):
     R, ctx, Hkv, D = p["batch"], p["context"], p["kv_heads"], 128
     flops = _paged_count(p)[0]
-    v_bytes = D if p["cache"] == "int8_qkv" else 2 * D
+    v_bytes = D if _fmt(p).v_int8 else 2 * D
     return flops, float(R * ctx * Hkv * (D + 4 + v_bytes))  # int8 K, its fp32 scale, V
 
 
@@ -199,11 +204,12 @@ register(Op(
 def _kvw_build(p, device):
     T, H, D, bs = p["tokens"], p["kv_heads"], p["head_dim"], p["block_size"]
     nb = p["slots"] // bs
-    dt = torch.float8_e4m3fn if p["cache"] == "fp8" else torch.bfloat16
+    fmt = _fmt(p)
+    dt = fmt.k_cache_dtype(torch.bfloat16)
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(T, H, D, device=device, generator=g).bfloat16()
     v = torch.randn(T, H, D, device=device, generator=g).bfloat16()
-    fp8 = p["cache"] == "fp8"
+    fp8 = fmt.fp8_per_tensor
     return {"k": k, "v": v, "kc": torch.empty(nb, bs, H, D, device=device, dtype=dt),
             "vc": torch.empty(nb, bs, H, D, device=device, dtype=dt),
             "slots": torch.randperm(p["slots"], device=device)[:T].to(torch.int32),
@@ -241,7 +247,7 @@ def _kvw_error(x, kc):
 
 
 def _kvw_count(p):
-    cache_elt = 1 if p["cache"] == "fp8" else 2
+    cache_elt = _fmt(p).k_cache_dtype(torch.bfloat16).itemsize
     return 0.0, float(2 * p["tokens"] * p["kv_heads"] * p["head_dim"] * (2 + cache_elt))  # K and V: bf16 in, cache out
 
 
@@ -254,7 +260,7 @@ register(Op(
     build=_kvw_build, run=_kvw_run, torch_ref=_kvw_torch, error=_kvw_error,
     count=_kvw_count,
     label=lambda p: f"{p['cache']}-T{p['tokens']}-Hkv{p['kv_heads']}-D{p['head_dim']}",
-    interpreter_exact=lambda p: p["cache"] == "bf16",  # bf16 in, bf16 out: a copy
+    interpreter_exact=lambda p: not _fmt(p).quantized,  # bf16 in, bf16 out: a copy
 ))
 
 

@@ -18,7 +18,12 @@ import torch
 from openmla.tools._bench_core import Op, register, rel_l2
 from openmla.tools._bench_peer import PREFILL_PEER, decode_peer
 from openmla.kernels import reference
-from openmla.quant import BF16_MLA, FP8_DS_MLA
+from openmla.quant import FP8_DS_MLA, SPARSE_MLA, cache_format
+
+
+def _fmt(p):
+    """The sparse MLA format a case's cache label names ("fp8": fp8_ds_mla, "bf16")."""
+    return cache_format(p["cache"], SPARSE_MLA, who="bench")
 
 CHECK_TOKENS = 8  # the oracle runs in float64: check a slice of the tokens, time them all
 
@@ -52,7 +57,7 @@ def torch_sparse_attention(q: torch.Tensor, gather: Callable, num_rows: int, ind
 # --------------------------------------------------------------------------------------------
 # sparse MLA decode
 def _decode_build(p, device):
-    fmt = FP8_DS_MLA if p["cache"] == "fp8" else BF16_MLA
+    fmt = _fmt(p)
     slots, bs = p["slots"], p["block_size"]
     nb = slots // bs
     g = torch.Generator(device=device).manual_seed(0)
@@ -88,7 +93,7 @@ def _decode_error(x, out):
 
 def _decode_count(p):
     t, h, k = p["tokens"], p["heads"], p["topk"]
-    row_bytes = 656 if p["cache"] == "fp8" else 1152
+    row_bytes = _fmt(p).bytes_per_token
     return 2.0 * t * h * k * (576 + 512), float(t * k * row_bytes)
 
 
@@ -105,7 +110,7 @@ register(Op(
     name="sparse_mla_decode",
     shape_sets={
         "standard": _DECODE_STANDARD,
-        "fp8": [p for p in _DECODE_STANDARD if p["cache"] == "fp8"],
+        "fp8": [p for p in _DECODE_STANDARD if _fmt(p).quantized],
         "host": _DECODE_HOST,
         "small": _DECODE_SMALL,
     },
@@ -122,7 +127,7 @@ def _compat_build(p, device):
     T, H, _ = x["q"].shape
     x["compat"] = {"q": x["q"].view(T, 1, H, 576), "k_cache": x["cache"].unsqueeze(2),
                    "indices": x["indices"].unsqueeze(1), "meta": get_mla_metadata()[0],
-                   "fp8": p["cache"] == "fp8"}
+                   "fp8": _fmt(p).quantized}
     return x
 
 
@@ -170,7 +175,7 @@ def _impl_build(p, device):
         raise ValueError(f"sparse_mla_impl_decode: {T} requests of {seq} tokens do not fit {slots} slots")
     g = torch.Generator(device=device).manual_seed(1)
     table = torch.randperm(slots // bs, device=device, generator=g)[:T * per_req].view(T, per_req).to(torch.int32)
-    impl = SparseMLAImpl(H, x["scale"], "fp8_ds_mla" if p["cache"] == "fp8" else "bf16", max_model_len=seq,
+    impl = SparseMLAImpl(H, x["scale"], _fmt(p), max_model_len=seq,
                          qk_nope_head_dim=_NOPE, v_head_dim=_V)
     impl.load_kv_b_proj((torch.randn(H * (_NOPE + _V), 512, device=device, generator=g) * 512 ** -0.5).bfloat16())
     last = seq - 1  # this step's token of each request is its last
@@ -270,7 +275,7 @@ register(Op(
 # --------------------------------------------------------------------------------------------
 # MLA cache writer and gather (quant/): bytes must equal the torch packer's exactly
 def _write_build(p, device):
-    fmt = FP8_DS_MLA if p["cache"] == "fp8" else BF16_MLA
+    fmt = _fmt(p)
     nb = p["slots"] // p["block_size"]
     g = torch.Generator(device=device).manual_seed(0)
     cache = torch.empty(nb, p["block_size"], fmt.row_width, dtype=fmt.cache_dtype, device=device)
@@ -299,7 +304,7 @@ def _write_error(x, cache):
 
 
 def _write_count(p):
-    row = 656 if p["cache"] == "fp8" else 1152
+    row = _fmt(p).bytes_per_token
     return 0.0, float(p["tokens"] * (1152 + row))  # read bf16 latent + rope, write the row
 
 
@@ -310,7 +315,7 @@ register(Op(
                 "small": [dict(cache=c, tokens=16, slots=1024, block_size=64) for c in ("fp8", "bf16")]},
     build=_write_build, run=_write_run, torch_ref=_write_torch, error=_write_error, count=_write_count,
     label=lambda p: f"{p['cache']}-T{p['tokens']}",
-    interpreter_exact=lambda p: p["cache"] == "bf16",  # bf16 in, bf16 out: a copy
+    interpreter_exact=lambda p: not _fmt(p).quantized,  # bf16 in, bf16 out: a copy
 ))
 
 
