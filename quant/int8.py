@@ -18,7 +18,8 @@ Triton functions equal them exactly (int8 values and fp32 scale bits) because:
   - amax / 127 and x / s are correctly rounded divisions: `div_rn` in Triton (its `/` on fp32 is
     the approximate `div.full.f32` on NVIDIA), a tensor divisor in torch (on CUDA
     `tensor / python_float` becomes a multiply by the rounded reciprocal);
-  - rne is `libdevice.rint` (round half to even, `cvt.rni`), `torch.round` in the reference.
+  - rne is `libdevice.nearbyint` (round half to even, `cvt.rni` on NVIDIA; AMD's libdevice has
+    no `rint`), `torch.round` in the reference.
 
 NaN / inf policy (int8 has neither):
   - per token and head: amax propagates NaN (as torch.amax), so a (token, head) holding a NaN
@@ -147,7 +148,7 @@ def int8_quantize_with_scale(b_x, b_scale):
     # Replace NaN before min/max: max.f32 would return the other operand (+-127), and a NaN
     # float -> int conversion is undefined.
     b_y = tl.where(b_y == b_y, b_y, 0.0)
-    b_y = tl.minimum(tl.maximum(libdevice.rint(b_y), -127.0), 127.0)
+    b_y = tl.minimum(tl.maximum(libdevice.nearbyint(b_y), -127.0), 127.0)
     return b_y.to(tl.int8)
 
 

@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from openmla.kernels.device import E4M3_BITS, arch_of
+
+from .e4m3 import f32_to_e4m3
 from .validate import check_quant_scale, check_same_device, check_tensor, fail
 from .format_types import MHA
 from .formats import cache_format
@@ -34,6 +37,7 @@ from .mla_formats import FP8_E4M3_MAX
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LAYOUTS = ("NHD", "HND")
+_E4M3_BITS = tl.constexpr(E4M3_BITS)
 
 
 def cache_dims(cache: torch.Tensor, layout: str):
@@ -53,14 +57,20 @@ def cache_strides(cache: torch.Tensor, layout: str):
 
 
 @triton.jit
-def _quantize(x, scale_ptr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
+def _quantize(x, scale_ptr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, dtype: tl.constexpr,
+              E4M3: tl.constexpr):
     if IS_FP8:
         # Correctly rounded division, as the reference's x / scale (a reciprocal multiply is not).
         y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
         y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
                        propagate_nan=tl.PropagateNan.ALL)
-        return y.to(dtype, fp_downcast_rounding="rtne")
-    return x.to(dtype)
+        if E4M3 == _E4M3_BITS:  # the cache is a uint8 view: no float8e4nv on this GPU
+            y = f32_to_e4m3(y, E4M3)
+        else:
+            y = y.to(dtype, fp_downcast_rounding="rtne")
+    else:
+        y = x.to(dtype)
+    return y
 
 
 @triton.jit
@@ -73,7 +83,7 @@ def write_kv_cache_kernel(
     IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     K_INT8: tl.constexpr, V_INT8: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-    K_SMOOTH: tl.constexpr,
+    K_SMOOTH: tl.constexpr, E4M3: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i_t).to(tl.int64)
@@ -97,14 +107,14 @@ def write_kv_cache_kernel(
             b_k, b_ks = int8_quantize_rows(tl.where(m_hd, b_kf, 0.0), SCALE_FLOOR)
             tl.store(ksc_ptr + i_b * s_kscb + o_h * s_ksch + i_o * s_ksct, b_ks, mask=o_h < H)
         else:
-            b_k = _quantize(b_k, k_scale_ptr, IS_FP8, FP8_MAX, kc_ptr.dtype.element_ty)
+            b_k = _quantize(b_k, k_scale_ptr, IS_FP8, FP8_MAX, kc_ptr.dtype.element_ty, E4M3)
         if V_INT8:
             # other=1: masked lanes divide by 1, never by 0 (they are not stored).
             b_vs = tl.load(v_scale_ptr + o_h[:, None] * s_vsh + o_d[None, :] * s_vsd, mask=m_hd,
                            other=1.0)
             b_v = int8_quantize_with_scale(b_v.to(tl.float32), b_vs)
         else:
-            b_v = _quantize(b_v, v_scale_ptr, IS_FP8, FP8_MAX, vc_ptr.dtype.element_ty)
+            b_v = _quantize(b_v, v_scale_ptr, IS_FP8, FP8_MAX, vc_ptr.dtype.element_ty, E4M3)
         p_kc = kc_ptr + i_b * s_kcb + i_o * s_kct + o_h[:, None] * s_kch + o_d[None, :]
         p_vc = vc_ptr + i_b * s_vcb + i_o * s_vct + o_h[:, None] * s_vch + o_d[None, :]
         tl.store(p_kc, b_k, mask=m_hd)
@@ -127,6 +137,9 @@ def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout
     vs_strides = v_scale.stride() if v_int8 else (0, 0)
     ksm = k_smooth if k_smooth is not None else slot_mapping  # read only with K_SMOOTH
     ksm_strides = k_smooth.stride() if k_smooth is not None else (0, 0)
+    e4m3 = arch_of(k_cache.device).e4m3_plain
+    if is_fp8 and e4m3 == E4M3_BITS:  # no float8e4nv type on this GPU: write the bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     grid = (T, triton.cdiv(H, block_h))
     write_kv_cache_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping, scale_k, scale_v, ksc, ksm,
@@ -136,7 +149,7 @@ def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout
         *ksc_strides, *vs_strides, *ksm_strides,
         IS_FP8=is_fp8, FP8_MAX=FP8_E4M3_MAX, BLOCK_H=block_h, BLOCK_D=block_d,
         K_INT8=k_int8, V_INT8=v_int8, SCALE_FLOOR=INT8_SCALE_FLOOR,
-        K_SMOOTH=k_smooth is not None,
+        K_SMOOTH=k_smooth is not None, E4M3=e4m3,
     )
 
 

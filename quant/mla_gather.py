@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from openmla.kernels.device import arch_of
+
+from .e4m3 import e4m3_to_f32
 from .validate import check_same_device, check_tensor, fail
 from .mla_formats import check_mla_format
 from .mla_writer import check_fp32_aligned_rows
@@ -31,6 +34,7 @@ def gather_upconvert_kernel(
     block_size, num_blocks, max_blocks, num_dst_rows,
     NUM_TILES: tl.constexpr, TILE: tl.constexpr, ROPE: tl.constexpr,
     SCALE_OFFSET: tl.constexpr, ROPE_OFFSET: tl.constexpr, BLOCK_P: tl.constexpr,
+    E4M3: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1)
@@ -60,7 +64,7 @@ def gather_upconvert_kernel(
         p_src = cache_ptr + b_phys * stride_cache_block + (o_p % block_size) * stride_cache_row
         p_lat = p_src[:, None, None] + (o_tile[None, :, None] * TILE + o_e[None, None, :])
         b_q = tl.load(p_lat, mask=m_read[:, None, None], other=0)
-        b_lat = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b_lat = e4m3_to_f32(b_q, E4M3)
         p_scale = (p_src + SCALE_OFFSET).to(tl.pointer_type(tl.float32))
         b_scale = tl.load(p_scale[:, None] + o_tile[None, :], mask=m_read[:, None], other=0.0)
         b_out = (b_lat * b_scale[:, :, None]).to(tl.bfloat16)
@@ -128,5 +132,5 @@ def gather_upconvert(cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
         block_size, num_blocks, block_table.shape[1], dst.shape[0],
         NUM_TILES=fmt.num_tiles, TILE=fmt.tile_size, ROPE=fmt.rope_dim,
         SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset, BLOCK_P=_BLOCK_P,
-        num_warps=4,
+        E4M3=arch_of(cache.device).e4m3_plain, num_warps=4,
     )

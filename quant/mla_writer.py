@@ -15,7 +15,8 @@ reference quantizer:
     2^k (log2(2^-13 * (1 + 2^-23)) == -13.0) is therefore reproduced, not "fixed": the scale stays
     2^-13 there and the largest element saturates to 448, as in FlashMLA's reference quantizer.
   - 2^e is built from its exponent bits, exact for every e the rule can produce (-13..127);
-  - fp32 -> float8e4nv is round-to-nearest-even, saturating (cvt.rn.satfinite), as torch's cast.
+  - fp32 -> e4m3 is round-to-nearest-even, saturating (cvt.rn.satfinite), as torch's cast
+    (quant/e4m3.py: the same bits by integer arithmetic on GPUs without float8e4nv).
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from openmla.kernels.device import arch_of
+
+from .e4m3 import f32_to_e4m3
 from .validate import check_same_device, check_tensor, fail
 from .mla_formats import FP8_E4M3_MAX, check_mla_format
 
@@ -41,7 +45,7 @@ def write_mla_cache_fp8_kernel(
     block_size, num_slots,
     NUM_TILES: tl.constexpr, TILE: tl.constexpr, ROPE: tl.constexpr,
     SCALE_OFFSET: tl.constexpr, ROPE_OFFSET: tl.constexpr,
-    POW2: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+    POW2: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, E4M3: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i_t).to(tl.int64)
@@ -62,8 +66,8 @@ def write_mla_cache_fp8_kernel(
         b_scale = tl.where(m_finite, b_pow, b_v)
     else:
         b_scale = tl.maximum(b_s, SCALE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
-    b_q = tl.math.div_rn(b_x, b_scale[:, None]).to(tl.float8e4nv)
-    tl.store(p_row + o_lat, b_q.to(tl.uint8, bitcast=True), mask=m_slot)
+    b_q = f32_to_e4m3(tl.math.div_rn(b_x, b_scale[:, None]), E4M3)
+    tl.store(p_row + o_lat, b_q, mask=m_slot)
 
     p_scale = (p_row + SCALE_OFFSET).to(tl.pointer_type(tl.float32))
     tl.store(p_scale + tl.arange(0, NUM_TILES), b_scale, mask=m_slot)
@@ -171,7 +175,7 @@ def write_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
             NUM_TILES=fmt.num_tiles, TILE=fmt.tile_size, ROPE=fmt.rope_dim,
             SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset,
             POW2=fmt.pow2, FP8_MAX=FP8_E4M3_MAX, SCALE_FLOOR=fmt.scale_floor,
-            num_warps=4,
+            E4M3=arch_of(cache.device).e4m3_plain, num_warps=4,
         )
     else:
         write_mla_cache_bf16_kernel[grid](*common, LATENT=fmt.latent_dim, ROPE=fmt.rope_dim, num_warps=4)

@@ -46,13 +46,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from openmla.kernels.device import arch_of
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.merge import merge_finish, merge_step
 from openmla.kernels.paged_attention.tile import (_attend_tile, _key_bounds, _merge_streams,
                                                   _rows)
 from openmla.quant.int8 import INT8_SCALE_FLOOR, int8_quantize_rows
 
-_SMEM_BYTES = 227 * 1024  # Hopper's per-block shared-memory limit (sm_90)
 _INT8_FLOOR = tl.constexpr(INT8_SCALE_FLOOR)
 
 
@@ -85,14 +85,16 @@ _CONFIGS = [_config(*c) for c in _DEFAULTS] + [
 
 
 def _prune(configs, named_args, **kwargs):
-    """Configs worth timing for one launch; each rule says why it drops a config."""
+    """Configs worth timing for one launch on its device; each rule says why it drops a config."""
     want_m = kwargs["BLOCK_M_WANT"]
     d = kwargs["BLOCK_D"]
+    arch = arch_of(named_args["q_ptr"].device)
+    lanes = arch.warp_size  # threads of a warp (an AMD wavefront has 64)
     kept = []
     for c in configs:
         bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
-        # Register caps were measured for the int8 decode kernels only.
-        if c.maxnreg is not None and not (kwargs["K_INT8"] or kwargs["V_INT8"]):
+        # Register caps were measured for the int8 decode kernels only, and are an NVIDIA option.
+        if c.maxnreg is not None and not ((kwargs["K_INT8"] or kwargs["V_INT8"]) and arch.maxnreg):
             continue
         streams = c.kwargs["STREAMS"]
         if streams:
@@ -100,7 +102,7 @@ def _prune(configs, named_args, **kwargs):
             # >= 16 keys per stream and tile (the P.V dot's k) and at most 64 accumulator values
             # per thread (each warp holds all [BLOCK_M, D] of its stream: D <= 128 at 16 rows;
             # this replaces the register rule below, which assumes warps share the accumulator).
-            if not want_m or streams != w or bn // streams < 16 or bm * d / 32 > 64:
+            if not want_m or streams != w or bn // streams < 16 or bm * d / lanes > 64:
                 continue
         # Short queries: the host sized the grid and the split count for this BLOCK_M.
         if want_m and bm != want_m:
@@ -118,13 +120,14 @@ def _prune(configs, named_args, **kwargs):
         # their interior loop free of spills up to 144 accumulator + score values per thread
         # (D=128 128x128 at 8 warps is 128).
         if not want_m and not (kwargs["IS_FP8"] or kwargs["K_INT8"] or kwargs["V_INT8"]):
-            if (bm * d + bm * bn) / (32 * w) > 144:
+            if (bm * d + bm * bn) / (lanes * w) > 144:
                 continue
-        elif not streams and (bm * d + bm * bn + bn * d) / (32 * w) > 176:
+        elif not streams and (bm * d + bm * bn + bn * d) / (lanes * w) > 176:
             continue
-        # Shared memory: q plus `s` stages of K and V tiles (2-byte operands); the compiler's
-        # reduction scratch reuses that space (D=128 128x128 at 3 stages compiles to 224 KB).
-        if 2 * (bm * d + 2 * s * bn * d) > _SMEM_BYTES - 2 * 1024:
+        # Shared memory: q plus `s` stages of K and V tiles (2-byte operands) within the device's
+        # budget; the compiler's reduction scratch reuses that space (D=128 128x128 at 3 stages
+        # compiles to 224 KB on sm_90).
+        if 2 * (bm * d + 2 * s * bn * d) > arch.smem_bytes - 2 * 1024:
             continue
         kept.append(c)
     if not kept:  # the smallest tile for the wanted BLOCK_M always runs

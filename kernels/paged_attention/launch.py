@@ -8,13 +8,12 @@ the two share (row packing, splits, score options, outputs).
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 
-from openmla.kernels.device import num_sms
+from openmla.kernels.device import arch_of, num_sms
 from openmla.kernels.paged_attention.kernel import (paged_attention_kernel,
                                                     paged_attention_reduce_kernel)
 from openmla.quant.kv_cache import cache_dims, cache_strides
@@ -74,12 +73,6 @@ class _KeySource(NamedTuple):
                           (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1)), 0)
 
 
-def _ptx_ok(t: torch.Tensor) -> bool:
-    """Inline PTX may run: an NVIDIA GPU, not the interpreter (nor ROCm)."""
-    return (t.is_cuda and torch.version.hip is None
-            and os.environ.get("TRITON_INTERPRET", "0") != "1")
-
-
 def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms: int,
           num_splits: Optional[int]):
     """(BLOCK_M_WANT, NUM_SPLITS) from shapes alone. BLOCK_M_WANT = 0: long queries, BLOCK_M is
@@ -130,6 +123,10 @@ def _launch(q, k, v, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOption
     gqa = H // H_kv
     block_m_want, splits = _plan(T, R, H_kv, gqa, max_q, max_kv, num_sms(q.device), num_splits)
     is_fp8, k_int8, v_int8 = fmt.fp8_per_tensor, fmt.k_int8, fmt.v_int8
+    arch = arch_of(q.device)
+    if is_fp8 and not arch.fp8_type:
+        # no float8e4nv type on this GPU: the kernel converts the bytes (quant/e4m3.py)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
     dummy = cu_seqlens_q  # pointer arguments the kernel never reads under its flags
     ksc = k_scale_cache if k_int8 else dummy
     s_ksc = tuple(k_scale_cache.stride()) if k_int8 else (0, 0, 0)
@@ -169,7 +166,7 @@ def _launch(q, k, v, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOption
         HAS_SINKS=sinks is not None,
         NUM_SPLITS=splits, WRITE_LSE=write_lse, NEG_Q=scale < 0,
         KV_SAME=(s_kb, s_kt) == (s_vb, s_vt), K_INT8=k_int8, V_INT8=v_int8,
-        V_FAST_CVT=v_int8 and _ptx_ok(q), K_SMOOTH=k_smooth is not None,
+        V_FAST_CVT=v_int8 and arch.ptx, K_SMOOTH=k_smooth is not None,
     )
     if splits > 1:
         block_d = triton.next_power_of_2(D)

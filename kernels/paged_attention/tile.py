@@ -1,10 +1,16 @@
 """Device functions of `paged_attention_kernel` (kernel.py): one key tile of the online softmax,
-the key bounds a row block may see, the key-stream helpers and the int8 -> fp16 conversion."""
+the key bounds a row block may see, the key-stream helpers and the int8 -> fp16 conversion.
+An fp8 cache reaches them as float8e4nv, or as uint8 bytes on GPUs whose Triton has no
+float8e4nv (launch.py decides; quant/e4m3.py converts)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from openmla.quant.e4m3 import E4M3_BITS, e4m3_to_f16
+
+_E4M3_BITS = tl.constexpr(E4M3_BITS)
 
 
 @triton.jit
@@ -96,6 +102,8 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
         b_k = tl.load(p_k + tl.expand_dims(o_kr, -1) + o_d, mask=m_nd, other=0.0)
     else:
         b_k = tl.load(p_k + tl.expand_dims(o_kr, -1) + o_d)
+    if b_k.dtype == tl.uint8:  # fp8 cache passed as bytes (no float8e4nv type on this GPU)
+        b_k = e4m3_to_f16(b_k, _E4M3_BITS)
     if K_INT8:
         b_s = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32).to(tl.float32)
         # Scales of this tile's keys: [num_blocks, H_kv, block_size] rows at the keys' slots.
@@ -143,6 +151,8 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
         b_v = tl.load(p_v + tl.expand_dims(o_vr, -1) + o_d, mask=m_nd, other=0.0)
     else:
         b_v = tl.load(p_v + tl.expand_dims(o_vr, -1) + o_d)
+    if b_v.dtype == tl.uint8:
+        b_v = e4m3_to_f16(b_v, _E4M3_BITS)
     if V_FAST_CVT:
         b_v = _int8_to_fp16_ptx(b_v)
     acc = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), acc * tl.expand_dims(alpha, -1))

@@ -37,8 +37,9 @@ from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_fact
                                                       sink_factor, split_range)
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.merge import merge_finish, merge_step
-from openmla.kernels.device import num_sms, sm90_gluon
+from openmla.kernels.device import arch_of, num_sms, sm90_gluon
 from openmla.kernels.launch import FastLaunch
+from openmla.quant.e4m3 import e4m3_to_f16
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
 from openmla.quant.format_types import SPARSE_MLA
 from openmla.quant.formats import cache_format
@@ -64,22 +65,16 @@ def _split4(x):
 
 
 @triton.jit
-def _load_rows(p_row, m_kv, WIDTH: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
+def _load_rows(p_row, m_kv, WIDTH: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr):
     """[BLOCK_N, WIDTH] tile of the gathered rows; p_row [BLOCK_N] points at each tile start.
 
     Rows with m_kv False are never read (masked loads) and come back as 0. FP8: the e4m3 bytes
-    come back as fp16, exactly (every e4m3 value is an fp16 value). On the GPU (ASM) that is one
-    cvt.rn.f16x2.e4m3x2 per two bytes; the asm is not an arith op, so Triton keeps the layout
-    change to the dot operand after it, on 16-bit data (ldmatrix) instead of on bytes."""
+    come back as fp16, exactly (every e4m3 value is an fp16 value), by the device's e4m3 path
+    (quant/e4m3.py; on sm_89+ one cvt.rn.f16x2.e4m3x2 per two bytes, kept before the layout
+    change to the dot operand so that the change moves 16-bit data: ldmatrix, not bytes)."""
     b = tl.load(p_row[:, None] + tl.arange(0, WIDTH)[None, :], mask=m_kv[:, None], other=0)
     if FP8:
-        if ASM:
-            b = tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-                "=r,=r,r", [b], dtype=tl.float16, is_pure=False, pack=4)
-        else:  # the interpreter runs no PTX
-            b = b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b = e4m3_to_f16(b, E4M3)
     return b
 
 
@@ -105,7 +100,7 @@ def sparse_mla_decode_kernel(
     H, TOPK, CHUNK, NUM_HB, NUM_SPLITS, num_slots, block_size,
     stride_qt, stride_qh, stride_cb, stride_cr, stride_it, stride_ot, stride_oh,
     qk_scale,
-    FP8: tl.constexpr, ASM: tl.constexpr, DENSE: tl.constexpr, HAS_LEN: tl.constexpr,
+    FP8: tl.constexpr, E4M3: tl.constexpr, DENSE: tl.constexpr, HAS_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE: tl.constexpr, ROPE: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr,
 ):
@@ -162,11 +157,11 @@ def sparse_mla_decode_kernel(
             row = (b_idx // block_size).to(tl.int64) * stride_cb + (b_idx % block_size).to(tl.int64) * stride_cr
         p_row = cache_ptr + row
         # the rope is bf16 in both formats (ROPE_OFF in cache elements: bytes for fp8_ds_mla)
-        b_kr = _load_rows((p_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16)), m_kv, ROPE, False, ASM)
-        b_k0 = _load_rows(p_row + 0 * TILE, m_kv, TILE, FP8, ASM)
-        b_k1 = _load_rows(p_row + 1 * TILE, m_kv, TILE, FP8, ASM)
-        b_k2 = _load_rows(p_row + 2 * TILE, m_kv, TILE, FP8, ASM)
-        b_k3 = _load_rows(p_row + 3 * TILE, m_kv, TILE, FP8, ASM)
+        b_kr = _load_rows((p_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16)), m_kv, ROPE, False, E4M3)
+        b_k0 = _load_rows(p_row + 0 * TILE, m_kv, TILE, FP8, E4M3)
+        b_k1 = _load_rows(p_row + 1 * TILE, m_kv, TILE, FP8, E4M3)
+        b_k2 = _load_rows(p_row + 2 * TILE, m_kv, TILE, FP8, E4M3)
+        b_k3 = _load_rows(p_row + 3 * TILE, m_kv, TILE, FP8, E4M3)
         if FP8:
             # the four tile scales of each row: one 16-byte load, split in registers
             p_s = (p_row + SCALE_OFF).to(tl.pointer_type(tl.float32))
@@ -281,10 +276,6 @@ def sparse_mla_decode_merge_kernel(
     tl.store(lse_ptr + i_t * H + o_h, b_lse, mask=m_h)
 
 
-def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
 def _config(block_h, block_n, num_warps, maxnreg=None):
     return triton.Config({"BLOCK_H": block_h, "BLOCK_N": block_n}, num_warps=num_warps,
                          num_stages=2, maxnreg=maxnreg)
@@ -293,13 +284,18 @@ def _config(block_h, block_n, num_warps, maxnreg=None):
 def _table(configs, named_args, *, H):
     """The table measured on Hopper (docs/notes/sparse_mla_decode.md), one config per head-count
     bucket: H <= 16 in 16-head blocks of 32 rows at 4 warps, capped at 168 registers (three
-    programs per SM); larger H in 32-head blocks of 64 rows at 8 warps (one program per SM)."""
-    return [c for c in configs if (c.kwargs["BLOCK_H"] == 16) == (H <= 16)]
+    programs per SM); larger H in 32-head blocks of 64 rows at 8 warps (one program per SM).
+    Both fit every target's shared memory (at most 115 KB on sm_90, 63 KB before it, 41 KB on
+    AMD: tests/kernels/test_aot_compile.py); the register cap is an NVIDIA option (AMD has no
+    maxnreg), so there the 16-head block runs uncapped."""
+    capped_ok = arch_of(named_args["q_ptr"].device).maxnreg
+    return [c for c in configs if (c.kwargs["BLOCK_H"] == 16) == (H <= 16)
+            and (c.maxnreg is None or capped_ok)]
 
 
 _SPACE = ConfigSpace("sparse_mla_decode_kernel",
-                     (_config(16, 32, 4, maxnreg=168), _config(32, 64, 8)), key=("H",),
-                     prune=_table)
+                     (_config(16, 32, 4, maxnreg=168), _config(16, 32, 4), _config(32, 64, 8)),
+                     key=("H",), prune=_table)
 
 
 def _pick_config(q, H: int) -> dict:
@@ -407,7 +403,7 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     if kn:
         return (_KN, (T * num_hb, num_splits), ints, (stride_cb, stride_cr),
                 dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_kn.NUM_WARPS), num_splits)
-    consts.update(FP8=is_fp8, ASM=not _interpreting(), num_warps=cfg["num_warps"],
+    consts.update(FP8=is_fp8, E4M3=arch_of(q.device).e4m3, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         consts["maxnreg"] = cfg["maxnreg"]
@@ -425,7 +421,8 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
     key = (q.device, T, H, indices.shape[1], fmt, cache.dtype, num_blocks, block_size,
            cache.stride(0), cache.stride(1), cache.data_ptr() & 15 == 0, topk_length is None,
            attn_sink is None,
-           tuple(sorted(config.items())) if config else None, num_splits, sm90_gluon(q.device))
+           tuple(sorted(config.items())) if config else None, num_splits, sm90_gluon(q.device),
+           arch_of(q.device))  # the path and e4m3 mode follow the device (or an assumed one)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:

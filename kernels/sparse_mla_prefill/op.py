@@ -45,6 +45,7 @@ from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
 from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
+from openmla.kernels.device import arch_of
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
 from openmla.quant.mla_formats import BF16_MLA
 
@@ -52,13 +53,18 @@ D_LAT = BF16_MLA.latent_dim  # 512, also the value width
 D_ROPE = BF16_MLA.rope_dim  # 64
 D_QK = D_LAT + D_ROPE  # 576
 
-_SMEM_BYTES = 227 * 1024  # per-block shared-memory limit of sm_90
+_SMEM_SLACK = 8 * 1024  # the compiler's reduction and layout-conversion scratch beyond the estimate
 _LOG2E = 1.4426950408889634
 
 
-def _block_h(H: int) -> int:
-    """Heads per program: the smallest of 16 / 32 / 64 that holds H (tensor-core M is >= 16)."""
-    return 16 if H <= 16 else 32 if H <= 32 else 64
+def _block_h(H: int, arch) -> int:
+    """Heads per program: the smallest of 16 / 32 / 64 that holds H (tensor-core M is >= 16), at
+    most what leaves room beside q for one 32-row buffer in the device's shared memory (on 99 KB
+    GPUs 32 heads, on 64 KB ones 16: more head blocks, each gathering the rows again)."""
+    block_h = 16 if H <= 16 else 32 if H <= 32 else 64
+    while block_h > 16 and _smem_estimate(block_h, 32, 2, True, arch) > arch.smem_bytes - _SMEM_SLACK:
+        block_h //= 2
+    return block_h
 
 
 def _bucket(x: int, lo: int, hi: int) -> int:
@@ -71,31 +77,41 @@ def _bucket(x: int, lo: int, hi: int) -> int:
 # ---------------------------------------------------------------------------------------------
 _CONFIGS = [
     triton.Config({"BLOCK_N": bn, "PREFETCH": pf}, num_warps=w, num_stages=s)
-    for pf in (True, False) for bn, s in ((32, 3), (32, 5), (64, 3)) for w in (4, 8)
+    for pf in (True, False) for bn, s in ((32, 3), (32, 5), (64, 3), (32, 2)) for w in (4, 8)
 ]
 
 
-def _smem_estimate(block_h: int, block_n: int, stages: int, prefetch: bool) -> int:
-    """Shared memory of a config, at most: q (bf16, resident) plus the row buffers. Buffers Triton
-    3.6 allocates in sm_90 compiles: with the index load in the loop max(stages - 2, 2)
-    (the index load and the consumer take a stage each); with prefetched indices stages - 1 under
-    mma.sync and stages under wgmma (the value wgmma of block i-1 still reads its buffer while
-    block i+1 is copied)."""
-    buffers = (stages if block_h >= 64 else stages - 1) if prefetch else max(stages - 2, 2)
-    return block_h * D_QK * 2 + buffers * block_n * D_QK * 2
+def _smem_estimate(block_h: int, block_n: int, stages: int, prefetch: bool, arch) -> int:
+    """Shared memory of a config on `arch`, at most: q (bf16, resident) plus the row buffers.
+    Buffers Triton 3.6 allocates (compiles for each target, tests/kernels/test_aot_compile.py):
+    with the index load in the loop max(stages - 2, 2) (the index load and the consumer take a
+    stage each); with prefetched indices stages - 1 under mma.sync and stages under wgmma (sm_90,
+    64-head blocks: the value wgmma of block i-1 still reads its buffer while block i+1 is
+    copied). sm_100's tcgen05 dots (64-head blocks) stage operands in 1.5 buffers more."""
+    wide = block_h >= 64 and arch.mma in ("wgmma", "tcgen05")
+    buffers = (stages if wide else stages - 1) if prefetch else max(stages - 2, 2)
+    if block_h >= 64 and arch.mma == "tcgen05":
+        buffers += 1.5
+    return int(block_h * D_QK * 2 + buffers * block_n * D_QK * 2)
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Configs worth timing for this head block; each rule says why it drops a config."""
+    """Configs worth timing for this head block on this device; each rule says why it drops a
+    config. The rules after the register one were tuned on Hopper; where none of their
+    choices fits the device's shared memory, every config that fits is timed."""
     block_h = kwargs["BLOCK_H"]
-    kept = []
-    for c in configs:
-        bn, w, s, pf = c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs["PREFETCH"]
-        if block_h >= 64:
+    arch = arch_of(named_args["q_ptr"].device)
+    budget = arch.smem_bytes - _SMEM_SLACK
+    fits = [c for c in configs
+            if _smem_estimate(block_h, c.kwargs["BLOCK_N"], c.num_stages, c.kwargs["PREFETCH"], arch)
+            <= budget
             # The [64, 512] fp32 accumulator is 128 registers a thread at 8 warps; at 4 warps it
             # would be 256, more than a thread has.
-            if w != 8:
-                continue
+            and not (block_h >= 64 and c.num_warps != 8)]
+    kept = []
+    for c in fits:
+        bn, w, s, pf = c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs["PREFETCH"]
+        if block_h >= 64:
             # Prefetching needs `stages` 72 KB buffers of 64 rows here: 64 x 3 does not fit, and
             # what fits (64 x 2, 32 x 3/4) is no faster than the index load in the loop with 64 x 3
             # (docs/notes/sparse_mla_prefill.md).
@@ -116,10 +132,8 @@ def _prune_configs(configs, named_args, **kwargs):
             # the loop waits for every copy (timings: docs/notes/sparse_mla_prefill.md).
             if not pf or bn != 32 or s != 3:
                 continue
-        if _smem_estimate(block_h, bn, s, pf) > _SMEM_BYTES - 8 * 1024:
-            continue
         kept.append(c)
-    return kept
+    return kept or fits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +258,7 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink, out):
         sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
                     D_LAT, D_ROPE)
         return lse, max_logits
-    block_h = _block_h(H)
+    block_h = _block_h(H, arch_of(q.device))
     num_hb = triton.cdiv(H, block_h)
     # Unused pointer arguments get a tensor of the right kind; the kernel never reads them.
     len_arg = topk_length if topk_length is not None else indices

@@ -1,0 +1,221 @@
+"""The standard shape classes the ahead-of-time compile test (aot_compile.py) sends through the
+public ops: for each, the dispatch picks kernels, constexprs and candidate configs as it would on
+the target GPU. Tensors are small CPU tensors (the launches are captured, never run); only the
+things a dispatch looks at are real: dtypes, head counts, head sizes, page sizes, strides, which
+optional inputs are given, and counts that decide split-K / split-KV (the CPU reports 8 SMs).
+
+`cases(full, arch)` yields (id, thunk): every class with full=True (the cross-products of head
+buckets, formats, flags and phases), else the default set (CORE, plus EXTRA on one target).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from openmla.kernels.index import convert_req_index_to_global
+from openmla.kernels.merge import merge_attn_states
+from openmla.kernels.paged_attention import paged_attention, varlen_attention
+from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
+from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
+from openmla.quant.int8 import quantize_per_channel, quantize_per_token_head
+from openmla.quant.kv_cache import write_kv_cache
+from openmla.quant.mla_gather import gather_upconvert
+from openmla.quant.mla_writer import write_mla_cache
+
+BF16, FP16, FP8, I8, I32, F32 = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8,
+                                 torch.int32, torch.float32)
+
+
+def _ints(*shape, hi=1):
+    return torch.randint(0, hi, shape, dtype=I32)
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse MLA
+# ---------------------------------------------------------------------------------------------
+def _decode(fmt, T, H, topk, *, extras, strided):
+    """sparse_mla_decode: T tokens, H heads; T=1 splits topk 2048 over programs, T=64 does not."""
+    rows = 65 if strided else 64  # a hidden row per block: the non-dense (strided) cache path
+    cache = torch.zeros(8, rows, fmt.row_width, dtype=fmt.cache_dtype)[:, :64]
+    q = torch.zeros(T, H, 576, dtype=BF16)
+    opt = dict(topk_length=_ints(T, hi=topk), attn_sink=torch.zeros(H)) if extras else {}
+    return lambda: sparse_mla_decode(q, cache, _ints(T, topk), scale=0.1, **opt)
+
+
+def _prefill(T, H, topk, *, extras):
+    q = torch.zeros(T, H, 576, dtype=BF16)
+    kv = torch.zeros(256, 576, dtype=BF16)
+    opt = dict(topk_length=_ints(T, hi=topk), attn_sink=torch.zeros(H)) if extras else {}
+    return lambda: sparse_mla_prefill(q, kv, _ints(T, topk), scale=0.1, **opt)
+
+
+def sparse_cases():
+    for fmt, H, (T, topk), extras, strided in itertools.product(
+            (FP8_DS_MLA, BF16_MLA), (16, 32, 64, 128), ((1, 2048), (64, 128)), (False, True),
+            (False, True)):
+        yield f"decode-{fmt.name}-H{H}-T{T}{'-len-sink' if extras else ''}" \
+              f"{'-strided' if strided else ''}", _decode(fmt, T, H, topk, extras=extras,
+                                                          strided=strided)
+    for H, extras in itertools.product((16, 32, 64, 128), (False, True)):
+        yield f"prefill-H{H}{'-len-sink' if extras else ''}", _prefill(4, H, 2048, extras=extras)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA cache writers and readers
+# ---------------------------------------------------------------------------------------------
+def cache_cases():
+    for fmt in (FP8_DS_MLA, FP8_DS_MLA_RAW, BF16_MLA):
+        cache = torch.zeros(4, 64, fmt.row_width, dtype=fmt.cache_dtype)
+        kv_c, k_pe, slots = torch.zeros(8, 512, dtype=BF16), torch.zeros(8, 64, dtype=BF16), _ints(8)
+        yield f"write_mla_cache-{fmt.name}", \
+            lambda fmt=fmt, cache=cache: write_mla_cache(kv_c, k_pe, cache, slots, fmt=fmt)
+    cache = torch.zeros(4, 64, FP8_DS_MLA.row_width, dtype=torch.uint8)
+    dst = torch.zeros(256, 576, dtype=BF16)
+    yield "gather_upconvert", lambda: gather_upconvert(cache, dst, _ints(2, 4), _ints(2, hi=64),
+                                                       torch.tensor([0, 128], dtype=I32))
+
+
+# ---------------------------------------------------------------------------------------------
+# general MHA path
+# ---------------------------------------------------------------------------------------------
+# (q dtype, cache kind): bf16/fp16 caches, fp8 per-tensor, int8_qkv, int8_qk
+CACHES = [(BF16, "same"), (FP16, "same"), (BF16, "fp8"), (BF16, "int8_qkv"), (FP16, "int8_qk")]
+# (name, H, H_kv, D, page, options): head layouts of common models, with the options they use
+MODELS = [
+    ("gqa4-d128", 32, 8, 128, 16, {}),  # Llama-3-8B class
+    ("mha-d64-sinks-window", 8, 8, 64, 16, dict(sinks=True, window=(127, 0))),  # gpt-oss class
+    ("gqa2-d256-softcap", 8, 4, 256, 16, dict(softcap=50.0, window=(4095, 0))),  # Gemma-2 class
+    ("gqa8-d128-p64-alibi", 16, 2, 128, 64, dict(alibi=True)),  # page 64, ALiBi
+    ("mqa-d80-hnd", 8, 1, 80, 32, dict(layout="HND")),  # odd head size, HND layout
+]
+# (name, per-request (q_len, kv_len)): decode (split-KV), speculative decode, prefill
+# (the CPU reports 8 SMs: one decode request splits its keys, two spec-decode requests do not)
+PHASES = [("decode", [(1, 2048)]), ("spec4", [(4, 2048)] * 2), ("prefill", [(96, 200)] * 2)]
+
+
+def _paged(q_dt, kind, H, H_kv, D, page, seqs, opts):
+    layout = opts.get("layout", "NHD")
+    nb = 16
+    shape = (nb, page, H_kv, D) if layout == "NHD" else (nb, H_kv, page, D)
+    k_dt = {"same": q_dt, "fp8": FP8}.get(kind, I8)
+    v_dt = q_dt if kind in ("same", "int8_qk") else (FP8 if kind == "fp8" else I8)
+    kc, vc = torch.zeros(shape, dtype=k_dt), torch.zeros(shape, dtype=v_dt)
+    T = sum(q for q, _ in seqs)
+    R = len(seqs)
+    q = torch.zeros(T, H, D, dtype=q_dt)
+    cu = torch.tensor([0] + [q for q, _ in seqs], dtype=I32).cumsum(0).to(I32)
+    lens = torch.tensor([kv for _, kv in seqs], dtype=I32)
+    bt = _ints(R, max(kv for _, kv in seqs) // page + 1)
+    kw = dict(scale=0.1, causal=True, window=opts.get("window", (-1, -1)),
+              softcap=opts.get("softcap", 0.0), layout=layout, return_lse=True,
+              max_query_len=max(q for q, _ in seqs))
+    if opts.get("sinks"):
+        kw["sinks"] = torch.zeros(H)
+    if opts.get("alibi"):
+        kw["alibi_slopes"] = torch.zeros(H)
+    if kind == "fp8":
+        kw.update(k_scale=torch.ones(1), v_scale=torch.ones(1))
+    if kind.startswith("int8"):
+        kw["k_scale_cache"] = torch.ones(nb, H_kv, page)
+        if kind == "int8_qkv":
+            kw["v_scale"] = torch.ones(H_kv, D)
+    return lambda: paged_attention(q, kc, vc, bt, cu, lens, **kw)
+
+
+def _varlen(H, H_kv, D, q_len, k_len):
+    q = torch.zeros(2 * q_len, H, D, dtype=BF16)
+    k = v = torch.zeros(2 * k_len, H_kv, D, dtype=BF16)
+    cu_q = torch.tensor([0, q_len, 2 * q_len], dtype=I32)
+    cu_k = torch.tensor([0, k_len, 2 * k_len], dtype=I32)
+    return lambda: varlen_attention(q, k, v, cu_q, cu_k, scale=0.1, max_query_len=q_len,
+                                    max_kv_len=k_len)
+
+
+def mha_cases():
+    # every cache format with the first model, every model's options with bf16 (and the fp8 and
+    # int8_qkv caches once more with page 64): the options and the formats are separate branches
+    # of the kernel, and a full cross-product would add compiles, not paths
+    for (q_dt, kind), (name, H, H_kv, D, page, opts), (phase, seqs) in itertools.product(
+            CACHES, MODELS, PHASES):
+        if not (name == MODELS[0][0] or kind == "same" and q_dt == BF16
+                or page == 64 and kind in ("fp8", "int8_qkv")):
+            continue
+        yield f"paged-{name}-{phase}-{str(q_dt)[6:]}-{kind}", \
+            _paged(q_dt, kind, H, H_kv, D, page, seqs, opts)
+    for H, H_kv, D in ((16, 16, 64), (32, 8, 128)):
+        yield f"varlen-H{H}-Hkv{H_kv}-D{D}", _varlen(H, H_kv, D, 200, 200)
+
+
+def mha_cache_cases():
+    for q_dt, kind in CACHES:
+        H_kv, D, page = 8, 128, 16
+        k_dt = {"same": q_dt, "fp8": FP8}.get(kind, I8)
+        v_dt = q_dt if kind in ("same", "int8_qk") else (FP8 if kind == "fp8" else I8)
+        kc = torch.zeros(8, page, H_kv, D, dtype=k_dt)
+        vc = torch.zeros(8, page, H_kv, D, dtype=v_dt)
+        x = torch.zeros(4, H_kv, D, dtype=q_dt)
+        kw = {}
+        if kind == "fp8":
+            kw = dict(k_scale=torch.ones(1), v_scale=torch.ones(1))
+        elif kind.startswith("int8"):
+            kw = dict(k_scale_cache=torch.ones(8, H_kv, page), k_smooth=torch.ones(H_kv, D))
+            if kind == "int8_qkv":
+                kw["v_scale"] = torch.ones(H_kv, D)
+        yield f"write_kv_cache-{str(q_dt)[6:]}-{kind}", \
+            lambda x=x, kc=kc, vc=vc, kw=kw: write_kv_cache(x, x, kc, vc, _ints(4), **kw)
+    x = torch.zeros(4, 8, 128, dtype=BF16)
+    yield "int8-per-token-head", lambda: quantize_per_token_head(x)
+    yield "int8-per-channel", lambda: quantize_per_channel(x, torch.ones(8, 128))
+
+
+# ---------------------------------------------------------------------------------------------
+# small ops
+# ---------------------------------------------------------------------------------------------
+def misc_cases():
+    for dt in (BF16, FP16, F32):
+        o = torch.zeros(4, 8, 128, dtype=dt)
+        lse = torch.zeros(4, 8)
+        yield f"merge-{str(dt)[6:]}", \
+            lambda o=o, lse=lse: merge_attn_states(o, o, lse, o, lse, out_lse=lse.clone())
+    yield "index-cache", lambda: convert_req_index_to_global(
+        _ints(4), _ints(2, 8), _ints(4, 2048), 64, return_valid_counts=True)
+    yield "index-workspace", lambda: convert_req_index_to_global(
+        _ints(4), _ints(2, 8), _ints(4, 2048), 64,
+        workspace=(torch.tensor([0, 0, -1, -1], dtype=I32), torch.zeros(1, dtype=I32)))
+
+
+# The default set. CORE runs on every target: the code that differs between GPUs (each e4m3
+# path: decode, encode, fp8 and int8 caches; Gluon or Triton on sm_90; the configs with the most
+# shared memory, which the per-target budgets prune: 64-head prefill blocks, long-query MHA
+# tiles; NVIDIA-only options such as maxnreg) and the small kernels. EXTRA adds, on one target,
+# the remaining kernels and branches (the second decode config, 16-head prefill blocks, int8_qk,
+# the bf16 MLA writer). The full set (`full=True`) runs every class on every target.
+CORE = (
+    "decode-fp8_ds_mla-H16-T1-len-sink-strided", "prefill-H64-len-sink",
+    "write_mla_cache-fp8_ds_mla", "gather_upconvert",
+    "paged-gqa4-d128-decode-bfloat16-fp8", "paged-gqa4-d128-prefill-bfloat16-same",
+    "paged-gqa4-d128-decode-bfloat16-int8_qkv",
+    "write_kv_cache-bfloat16-fp8", "write_kv_cache-float16-int8_qk",
+    "int8-per-token-head", "int8-per-channel", "merge-bfloat16", "index-workspace",
+)
+EXTRA = (
+    "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "prefill-H16", "write_mla_cache-bf16",
+    "paged-gqa4-d128-spec4-float16-int8_qk", "paged-mha-d64-sinks-window-prefill-bfloat16-same",
+    "varlen-H16-Hkv16-D64",
+)
+EXTRA_ARCHES = ("sm_80", "sm_90")
+
+
+def cases(full: bool, arch_name: str):
+    """(id, thunk) of every standard shape class (full), or of the default set for this target."""
+    pick = set(CORE) | (set(EXTRA) if arch_name in EXTRA_ARCHES else set())
+    found = set()
+    for group in (sparse_cases, cache_cases, mha_cases, mha_cache_cases, misc_cases):
+        for case_id, thunk in group():
+            found.add(case_id)
+            if full or case_id in pick:
+                yield case_id, thunk
+    missing = (set(CORE) | set(EXTRA)) - found
+    assert not missing, f"CORE / EXTRA name cases that do not exist: {sorted(missing)}"

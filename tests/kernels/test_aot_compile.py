@@ -1,0 +1,109 @@
+"""Every kernel compiles ahead of time, on the CPU, for every GPU generation the README lists:
+NVIDIA sm_80, sm_86, sm_89, sm_90, sm_100, sm_120 (Triton ships ptxas) and AMD gfx942, gfx950
+(Triton's AMD backend assembles and links in-process), in what the dispatch picks there
+(tests/kernels/aot_compile.py says how launches are captured; aot_cases.py lists the shape
+classes). A compile failure, a config whose shared memory exceeds the target's, a dispatch that
+raises, a Gluon kernel picked off sm_90, or a kernel of kernels/ or quant/ that no case reaches
+fails the test.
+
+The default run (CORE classes on every target, EXTRA on sm_80) takes about 3 CPU-minutes and runs
+the targets in parallel, one per core. The full set (every shape class and every autotune
+candidate on every target) is marked aot_full and runs with
+    OPENMLA_AOT_FULL=1 python -m pytest tests/kernels/test_aot_compile.py -m aot_full
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from openmla.kernels.device import ARCHES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TARGETS = list(ARCHES)
+FULL = os.environ.get("OPENMLA_AOT_FULL", "0") == "1"
+
+
+def _compile_target(arch: str, full: bool) -> list:
+    """Run aot_compile.py for one target in a child process (no interpreter) -> its JSON lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OPENMLA_SM90_GLUON")}
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as out:
+        cmd = [sys.executable, "-m", "tests.kernels.aot_compile", arch, "--out", out.name]
+        run = subprocess.run(cmd + (["--full"] if full else []), cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert run.returncode == 0, f"{arch}: aot_compile.py exited {run.returncode}:\n" \
+                                    f"{run.stderr[-3000:]}"
+        with open(out.name) as f:
+            return [json.loads(line) for line in f]
+
+
+def _compile_all(full: bool) -> dict:
+    workers = max(1, min(len(TARGETS), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        jobs = {arch: pool.submit(_compile_target, arch, full) for arch in TARGETS}
+        return {arch: job.result() for arch, job in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def default_results():
+    return _compile_all(full=False)
+
+
+@pytest.fixture(scope="module")
+def full_results():
+    return _compile_all(full=True)
+
+
+def _check_target(arch: str, lines: list) -> set:
+    """Assert one target's results; returns the kernels it compiled."""
+    *compiles, summary = lines
+    assert "kernels" in summary, f"{arch}: the run stopped before its summary line"
+    smem, found = summary["smem_bytes"], summary["kernels"]
+    failed = [c for c in compiles if not c["ok"]]
+    assert not failed, f"{arch}: {len(failed)} of {len(compiles)} compiles failed; first: " \
+                       f"{failed[0]['case']} {failed[0]['kernel']} {failed[0].get('config')}\n" \
+                       f"{failed[0]['error']}"
+    too_big = [c for c in compiles if c["shared"] > smem]
+    assert not too_big, f"{arch}: shared memory over the {smem} bytes a program may use: " + \
+        "; ".join(f"{c['case']} {c['kernel']} {c['config']}: {c['shared']}" for c in too_big)
+    compiled = {c["kernel"] for c in compiles}
+    gluon = {k for k, is_gluon in found.items() if is_gluon}
+    if ARCHES[arch].gluon_sm90:
+        assert gluon <= compiled, f"{arch}: Gluon kernels not reached: {sorted(gluon - compiled)}"
+    else:
+        assert not compiled & gluon, f"{arch}: the dispatch picked Gluon kernels off sm_90: " \
+                                     f"{sorted(compiled & gluon)}"
+    unknown = compiled - set(found)
+    assert not unknown, f"{arch}: compiled kernels the discovery missed: {sorted(unknown)}"
+    return compiled
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_aot_compile(arch, default_results):
+    _check_target(arch, default_results[arch])
+
+
+def test_aot_compile_reaches_every_kernel(default_results):
+    """Over the default set's targets together, every kernel of kernels/ and quant/ compiles."""
+    found = default_results[TARGETS[0]][-1]["kernels"]
+    compiled = set().union(*(_check_target(a, r) for a, r in default_results.items()))
+    assert set(found) - compiled == set(), f"kernels no default case reaches: " \
+                                           f"{sorted(set(found) - compiled)}"
+
+
+@pytest.mark.aot_full
+@pytest.mark.skipif(not FULL, reason="the full set (every shape class and autotune candidate on "
+                                     "8 targets) takes CPU-hours; OPENMLA_AOT_FULL=1 runs it")
+@pytest.mark.parametrize("arch", TARGETS)
+def test_aot_compile_full(arch, full_results):
+    """Every shape class and autotune candidate on this target; every kernel compiles here
+    (Gluon kernels on sm_90 only)."""
+    compiled = _check_target(arch, full_results[arch])
+    found = full_results[arch][-1]["kernels"]
+    want = {k for k, is_gluon in found.items() if ARCHES[arch].gluon_sm90 or not is_gluon}
+    assert want <= compiled, f"{arch}: kernels no case reaches: {sorted(want - compiled)}"
