@@ -5,7 +5,7 @@ things a dispatch looks at are real: dtypes, head counts, head sizes, page sizes
 optional inputs are given, and counts that decide split-K / split-KV (the CPU reports 8 SMs).
 
 `cases(full, arch)` yields (id, thunk): every class with full=True (the cross-products of head
-buckets, formats, flags and phases), else the default set (CORE, plus EXTRA on one target).
+buckets, formats, flags and phases), else the default set (CORE, plus EXTRA on sm_80 and sm_90).
 """
 from __future__ import annotations
 
@@ -189,8 +189,8 @@ def misc_cases():
 # The default set. CORE runs on every target: the code that differs between GPUs (each e4m3
 # path: decode, encode, fp8 and int8 caches; Gluon or Triton on sm_90; the configs with the most
 # shared memory, which the per-target budgets prune: 64-head prefill blocks, long-query MHA
-# tiles; NVIDIA-only options such as maxnreg) and the small kernels. EXTRA adds, on one target,
-# the remaining kernels and branches (the second decode config, 16-head prefill blocks, int8_qk,
+# tiles; NVIDIA-only options such as maxnreg) and the small kernels. EXTRA adds, on sm_80 and on
+# sm_90 (where it reaches the Gluon kernels CORE does not), the remaining kernels and branches (the second decode config, 16-head prefill blocks, int8_qk,
 # the bf16 MLA writer). The full set (`full=True`) runs every class on every target.
 CORE = (
     "decode-fp8_ds_mla-H16-T1-len-sink-strided", "prefill-H64-len-sink",
