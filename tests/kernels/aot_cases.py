@@ -190,8 +190,9 @@ def misc_cases():
 # path: decode, encode, fp8 and int8 caches; Gluon or Triton on sm_90; the configs with the most
 # shared memory, which the per-target budgets prune: 64-head prefill blocks, long-query MHA
 # tiles; NVIDIA-only options such as maxnreg) and the small kernels. EXTRA adds, on sm_80 and on
-# sm_90 (where it reaches the Gluon kernels CORE does not), the remaining kernels and branches (the second decode config, 16-head prefill blocks, int8_qk,
-# the bf16 MLA writer). The full set (`full=True`) runs every class on every target.
+# sm_90 (where it reaches the Gluon kernels CORE does not), the remaining kernels and branches
+# (the second decode config, 16-head prefill blocks, int8_qk, the bf16 MLA writer). The full
+# set (`full=True`) runs every class on every target.
 CORE = (
     "decode-fp8_ds_mla-H16-T1-len-sink-strided", "prefill-H64-len-sink",
     "write_mla_cache-fp8_ds_mla", "gather_upconvert",
