@@ -199,7 +199,9 @@ def _mha_core(q, k, v, context_len, *, scale, causal, window, softcap, alibi_slo
                s += slope[h] * (-sqrt(p - j) if j <= p else 0)
         sinks: the denominator gains exp(sinks[h]) (no value vector) and lse includes it.
     A query whose unmasked keys include a non-finite raw score (before softcap) or value gets NaN
-    out and lse.
+    out and lse; a bad value that a query does not attend leaves it clean here (the paged kernel
+    may turn such a query NaN too when it shares a masked tile with one that attends the value:
+    kernels/paged_attention/tile.py).
     """
     Lq, H, _ = q.shape
     Lk, H_kv = k.shape[:2]
@@ -235,7 +237,10 @@ def _mha_core(q, k, v, context_len, *, scale, causal, window, softcap, alibi_slo
                 bias = (kpos - context_len).double()[None, :]
             s = s + alibi_slopes.double()[:, None, None] * bias
         p, lse_keys = _softmax(s, sink)
-        out[i0:i1] = torch.einsum("hqk,khd->qhd", p, v)
+        # bad values as 0 in the dot (p = 0 there would still give 0 * NaN); the rows that attend
+        # them turn NaN below
+        v_ok = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+        out[i0:i1] = torch.einsum("hqk,khd->qhd", p, v_ok)
         lse[i0:i1] = (lse_keys if sink is None else torch.logaddexp(lse_keys, sink)).T
         _nan_faults((bad & allowed[None]).any(-1).T, out[i0:i1], lse[i0:i1])
     return out, lse

@@ -49,6 +49,7 @@ import triton.language as tl
 from openmla.kernels.device import arch_of
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.merge import merge_finish, merge_step
+from openmla.kernels.softmax import finish_rows, row_faults
 from openmla.kernels.paged_attention.tile import (_attend_tile, _key_bounds, _merge_streams,
                                                   _rows)
 from openmla.quant.int8 import INT8_SCALE_FLOOR, int8_quantize_rows
@@ -346,10 +347,12 @@ def paged_attention_kernel(
         acc = acc * tl.load(v_scale_ptr)
     if V_INT8:  # the static per-channel V scale, once per output (splits merge linearly after it)
         acc = acc * tl.load(v_scale_ptr + i_kvh * s_vsh + o_d * s_vsd, mask=m_d, other=0.0)[None, :]
-    has = l_i > 0
-    b_o = acc * tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)[:, None]
-    b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                     float("-inf"))
+    # faults (kernels/softmax.py): a NaN sum, or a NaN or inf that reached the accumulator
+    # through a value, makes the row's out and lse NaN
+    b_inv, b_lse = finish_rows(l_i, m_i)
+    b_bad = row_faults(acc)
+    b_o = acc * (b_inv + b_bad)[:, None]
+    b_lse = b_lse + b_bad
 
     o_row = i_split.to(tl.int64) * s_os + o_tok * s_ot + o_h * s_oh
     tl.store(out_ptr + o_row[:, None] + o_d[None, :], b_o.to(out_ptr.dtype.element_ty),

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from openmla.kernels.softmax import keep_faults
 from openmla.quant.e4m3 import E4M3_BITS, e4m3_to_f16
 
 _E4M3_BITS = tl.constexpr(E4M3_BITS)
@@ -56,7 +57,15 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
     K_INT8: b_q is int8 with per-row scales b_qs (softmax scale folded in); the int32 score tile
     is scaled by b_qs per row and by the keys' scales (k-scale cache, p_ks) per column. P.V runs
     in PV_DT (q's dtype; fp16 for an int8 V, which converts exactly, with V_FAST_CVT by byte
-    permutes); an int8 V's per-channel scale is the caller's epilogue."""
+    permutes); an int8 V's per-channel scale is the caller's epilogue.
+    Faults (kernels/softmax.py): a NaN or inf score of a loaded key turns NaN before masking, so
+    the rows that attend it end NaN and the others mask it away. A NaN or inf value reaches the
+    accumulator of every row of the tile through the value dot, the rows that attend it and, in a
+    masked tile, also the rows that share the tile without attending it (0 * NaN); the caller's
+    finish turns any such row NaN whole. Keeping those rows clean would take zeroing bad value
+    rows per element and moving a per-key flag from the value layout to the score layout in
+    every masked tile (instructions and registers the decode kernel would pay on every step), so
+    they are left to turn NaN: they belong to the request whose value is bad."""
     o_n = n0 + o_tile
     o_nc = tl.expand_dims(o_n, -2)  # keys as columns of the score tile
     if MASKED:
@@ -117,6 +126,7 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or IS_FP8 or K_INT8:
         if not K_INT8:  # int8: b_qs already holds the scale
             b_s = b_s * qk_scale
+        b_s = keep_faults(b_s)  # before softcap, which would map +-inf to +-softcap
         if HAS_SOFTCAP:
             b_s = softcap2 * libdevice.tanh(b_s / softcap2)
         if MASKED:
@@ -141,7 +151,9 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
     else:
         # qk_scale >= 0 (for scale < 0 the kernel negated q), so max(s) * scale = max(s * scale)
         # and the scaling folds into one fma per score (fp8 takes the branch above: its scale
-        # also holds k_scale, a device value). Every row sees every key: m_new is finite.
+        # also holds k_scale, a device value). Every row sees every key: m_new is finite unless
+        # a fault made a whole first tile NaN (then l_i is NaN, which is all the finish needs).
+        b_s = keep_faults(b_s)
         m_new = tl.maximum(m_i, tl.max(b_s, -1) * qk_scale)
         m_sh = m_new
         b_p = tl.exp2(b_s * qk_scale - tl.expand_dims(m_sh, -1))
