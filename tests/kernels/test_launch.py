@@ -13,7 +13,7 @@ from tests.helpers import DEVICE
 
 
 @triton.jit
-def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK: tl.constexpr, NEG: tl.constexpr):
+def _axpy(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK: tl.constexpr, NEG: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     x = tl.load(x_ptr + o * stride, mask=m)
@@ -22,19 +22,17 @@ def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK: tl.constexpr, N
     if NEG:
         r = -r
     tl.store(out_ptr + o, r.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK: tl.constexpr, NEG: tl.constexpr):
+    _axpy(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK, NEG)
 
 
 @triton.autotune(configs=[triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})], key=["n"])
 @triton.jit
 def _axpy_tuned_kernel(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK: tl.constexpr, NEG: tl.constexpr):
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = o < n
-    x = tl.load(x_ptr + o * stride, mask=m)
-    y = tl.load(y_ptr + o, mask=m)
-    r = alpha * x.to(tl.float32) + y.to(tl.float32)
-    if NEG:
-        r = -r
-    tl.store(out_ptr + o, r.to(out_ptr.dtype.element_ty), mask=m)
+    _axpy(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK, NEG)
 
 
 def _want(x, y, alpha, neg):
