@@ -8,7 +8,7 @@ and an fp16 cache belongs to fp16 models), a grid of shapes and data
 kinds (gaussian; outlier channels; heavy-tailed Student-t(3)), it reports the error of the
 attention output and lse against
 
-  * bf16 attention: the fp32 oracle (kernels/reference.py, float64 inside) on the unquantized
+  * bf16 attention: the fp32 oracle (kernels/reference/, float64 inside) on the unquantized
     bf16 inputs (q and the cache contents rounded to bf16: what a bf16 cache gives), and
   * fp32 attention: the same oracle on the fp32 inputs before any rounding,
 

@@ -1,4 +1,4 @@
-"""kernels/reference.py against a second, naive formulation of the same maths.
+"""kernels/reference/ against a second, naive formulation of the same maths.
 
 The naive side shares no code with the oracles: it reads every input through .tolist(), walks
 tokens, heads and keys in Python loops in float64 (math.exp, math.fsum), writes each mask
