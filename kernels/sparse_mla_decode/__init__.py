@@ -1,6 +1,7 @@
 """Sparse MLA decode over a paged bf16 or fp8_ds_mla cache: the public op `sparse_mla_decode`.
 
-    op.py       the public op, its dispatch and the portable Triton kernel (any GPU)
+    op.py       the public op, its dispatch, configs and topk splits
+    triton_kernel.py  the portable Triton kernel (any GPU) and the split merge
     sm90.py     Gluon kernel for Hopper, > 32 heads: 64-head wgmma tiles
     sm90_kn.py  Gluon kernel for Hopper, <= 32 heads: keys on the wgmma M, a producer warpgroup
     shared.py   the layout-free pieces all three compile (split ranges, row finish, sinks)

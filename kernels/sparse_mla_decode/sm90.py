@@ -1,6 +1,6 @@
 """Hopper (sm_90) kernel of sparse_mla_decode for the fp8_ds_mla cache and 64-head blocks, in Gluon.
 
-Same arguments and outputs as `sparse_mla_decode_kernel` (kernels/sparse_mla_decode/op.py: one token,
+Same arguments and outputs as `sparse_mla_decode_kernel` (kernels/sparse_mla_decode/triton_kernel.py: one token,
 a head block and one split of its indices per program; partial (out, lse) merged by the same
 merge kernel), and the same exact arithmetic: e4m3 bytes become fp16 exactly, q goes to fp16 after
 a per-head power of two, per-tile scales multiply the scores and P_t = P * s_t / R (R a running

@@ -13,7 +13,7 @@ permutation of the 512 output dims (undone in registers before the epilogue, who
 through shared memory to be 16 contiguous bytes a thread); reshape/permute of the
 register tensors express this and compile to nothing (checked on the sm_90a SASS).
 
-Arithmetic (same contract as the Triton kernel; kernels/sparse_mla_decode/op.py):
+Arithmetic (same contract as the Triton kernel; kernels/sparse_mla_decode/triton_kernel.py):
 - scores: per tile t, (q_t . k8_t) with q in fp16 after an exact per-head power of two and k8 the
   exact fp16 of the e4m3 byte, times the row's tile scale s_t in fp32; rope in bf16; four tile
   chains summed in fp32.
