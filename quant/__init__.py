@@ -9,6 +9,7 @@ from .mla_formats import (
     FP8DSMLAFormat,
     mla_format_of,
 )
+from .model1_format import FP8_MODEL1, Model1Format
 from .mha_formats import (
     FP8_PER_TENSOR,
     INT8_QK,
@@ -24,7 +25,7 @@ from .formats import CACHE_FORMATS, cache_format, formats, kv_cache_dtype_names
 __all__ = [
     "FAMILIES", "MHA", "SPARSE_MLA", "CacheFormat", "CacheTensor", "Scale",
     "BF16_MLA", "FP8_DS_MLA", "FP8_DS_MLA_RAW", "FP8_E4M3_MAX",
-    "BF16MLAFormat", "FP8DSMLAFormat", "mla_format_of",
+    "BF16MLAFormat", "FP8DSMLAFormat", "mla_format_of", "FP8_MODEL1", "Model1Format",
     "FP8_PER_TENSOR", "INT8_QK", "INT8_QKV", "MHA_AUTO", "MHA_BF16", "MHA_FP16", "MHAFormat",
     "mha_format_of", "CACHE_FORMATS", "cache_format", "formats", "kv_cache_dtype_names",
 ]

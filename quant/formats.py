@@ -17,12 +17,13 @@ from typing import Union
 from .format_types import FAMILIES, MHA, SPARSE_MLA, CacheFormat
 from .mha_formats import FP8_PER_TENSOR, INT8_QK, INT8_QKV, MHA_AUTO, MHA_BF16, MHA_FP16
 from .mla_formats import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
+from .model1_format import FP8_MODEL1
 from .validate import fail
 
 __all__ = ["CACHE_FORMATS", "formats", "cache_format", "kv_cache_dtype_names", "SPARSE_MLA", "MHA"]
 
 CACHE_FORMATS = (
-    BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW,
+    BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW, FP8_MODEL1,
     MHA_AUTO, MHA_BF16, MHA_FP16, FP8_PER_TENSOR, INT8_QKV, INT8_QK,
 )
 

@@ -50,6 +50,9 @@ class _MLAFormat(CacheFormat):
     """What both sparse MLA formats share: one cache tensor of rows (latent | rope)."""
 
     family: ClassVar[str] = SPARSE_MLA
+    # False: a cache row [.., row_width] is one token. True (FP8_MODEL1): bytes are laid out per
+    # page block (all records, then all scales) and only whole blocks mean something.
+    blocked: ClassVar[bool] = False
 
     @property
     def head_dim(self) -> int:
@@ -252,14 +255,20 @@ def mla_format_of(cache: torch.Tensor, name: str = "cache"):
     hold their descriptor and pass it instead.
 
     uint8 [..., 656] -> FP8_DS_MLA (reading does not depend on the scale rule);
-    bf16 [..., 576] -> BF16_MLA. Anything else raises ValueError naming `name`.
+    uint8 [..., 584] -> FP8_MODEL1 (DeepSeek-V4, quant/model1_format.py; [nb, bs, 1, 584] or
+    [nb, bs, 584]); bf16 [..., 576] -> BF16_MLA. Anything else raises ValueError naming `name`.
     """
     check_tensor(name, cache, dtype=(torch.uint8, torch.bfloat16))
-    fmt = FP8_DS_MLA if cache.dtype == torch.uint8 else BF16_MLA
-    if cache.shape[-1] != fmt.row_width:
-        fail(f"{name}.shape[-1]", f"{fmt.row_width} for a {fmt.name} cache of dtype {cache.dtype}",
-             cache.shape[-1])
-    return fmt
+    if cache.dtype == torch.bfloat16:
+        fmts = (BF16_MLA,)
+    else:
+        fmts = (FP8_DS_MLA, FP8_MODEL1)
+    width = cache.shape[-1] if cache.dim() else None
+    for fmt in fmts:
+        if width == fmt.row_width:
+            return fmt
+    fail(f"{name}.shape[-1]", " or ".join(f"{f.row_width} for a {f.name} cache" for f in fmts)
+         + f" of dtype {cache.dtype}", width)
 
 
 def check_mla_format(cache: torch.Tensor, fmt=None, name: str = "cache"):
@@ -269,10 +278,15 @@ def check_mla_format(cache: torch.Tensor, fmt=None, name: str = "cache"):
     if fmt is None:
         return mla_format_of(cache, name)
     if not isinstance(fmt, _MLAFormat):
-        fail("fmt", "a sparse MLA cache format (quant.FP8_DS_MLA, FP8_DS_MLA_RAW, BF16_MLA)",
+        fail("fmt", "a sparse MLA cache format (quant.FP8_DS_MLA, FP8_DS_MLA_RAW, BF16_MLA, FP8_MODEL1)",
              type(fmt).__name__)
     check_tensor(name, cache)
     if cache.dtype != fmt.cache_dtype or cache.shape[-1] != fmt.row_width:
         fail("fmt", f"a format of the {name} ({cache.dtype} rows of {cache.shape[-1]})",
              f"{fmt.name} (rows of {fmt.row_width} {fmt.cache_dtype})")
     return fmt
+
+
+# The DeepSeek-V4 format derives from _MLAFormat and reuses the pow2 rule above, so it is
+# defined after them; mla_format_of reads FP8_MODEL1 at call time.
+from .model1_format import FP8_MODEL1, Model1Format  # noqa: E402

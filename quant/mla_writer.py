@@ -142,6 +142,9 @@ def write_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
     check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(num_tokens,))
     check_tensor("cache", cache, ndim=3, last_dim_contiguous=True)
     fmt = check_mla_format(cache, fmt)
+    if fmt.blocked:
+        raise NotImplementedError(f"write_mla_cache: {fmt} caches are laid out per block; write them "
+                                  "with quant.model1_writer.write_model1_cache")
     if kv_c.shape[1] != fmt.latent_dim:
         fail("kv_c.shape", f"(T, {fmt.latent_dim})", tuple(kv_c.shape))
     if k_pe.shape[1] != fmt.rope_dim:

@@ -248,7 +248,7 @@ def _int8_kernel(x, st, fmt):
 def cases_of(fmt) -> list:
     """The sweep's cases of one registry format, chosen by what its descriptor says."""
     if fmt.family == SPARSE_MLA:
-        return [_mla_case(fmt)]
+        return [] if fmt.blocked else [_mla_case(fmt)]
     if fmt.k_int8:  # with and without per-channel K smoothing (calibrate_k_smooth)
         about = fmt.about + ("; V scale: abs-max of the values" if fmt.v_int8 else "")
         return [Case(fmt.name + ("_smooth" if smooth else ""), "mha",
@@ -401,7 +401,7 @@ def round_trip(tokens: int, seed: int, kinds) -> list[dict]:
     rows = []
     for kind in kinds:
         kv_c, k_pe = make_latents(kind, tokens, torch.Generator().manual_seed(seed))
-        for fmt in family_formats(SPARSE_MLA):
+        for fmt in (f for f in family_formats(SPARSE_MLA) if not f.blocked):
             rows.append({"format": fmt.name, "data": kind, "tokens": tokens, **round_trip_errors(fmt, kv_c, k_pe)})
     return rows
 

@@ -24,6 +24,7 @@ ALL = [pytest.param(f, id=f"{f.family}-{f.name}") for f in CACHE_FORMATS]
 def test_registry_holds_every_format():
     assert {(f.family, f.name) for f in CACHE_FORMATS} == {
         (SPARSE_MLA, "bf16"), (SPARSE_MLA, "fp8_ds_mla"), (SPARSE_MLA, "fp8_ds_mla_raw"),
+        (SPARSE_MLA, "fp8_model1"),
         (MHA, "auto"), (MHA, "bf16"), (MHA, "fp16"), (MHA, "fp8"), (MHA, "int8_qkv"), (MHA, "int8_qk")}
     assert len({(f.family, f.name) for f in CACHE_FORMATS}) == len(CACHE_FORMATS)
     for fam in FAMILIES:
@@ -122,7 +123,8 @@ def test_what_the_caches_are_made_of():
 # ---------------------------------------------------------------------------------------------
 # pack / unpack references
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", [pytest.param(f, id=f.name) for f in formats(SPARSE_MLA)])
+# token-row formats; the per-block MODEL1 layout has its own tests (tests/quant/test_model1_format.py)
+@pytest.mark.parametrize("fmt", [pytest.param(f, id=f.name) for f in formats(SPARSE_MLA) if not f.blocked])
 def test_mla_round_trip(fmt):
     g = torch.Generator().manual_seed(3)
     kv_c = (torch.randn(9, 512, generator=g) * torch.logspace(-3, 2, 512)).bfloat16()
