@@ -37,7 +37,8 @@ Where each op stands:
       varlen_attention                                                        HEAD_DIM, PAGE_SIZE,
                                                                               IS_FP8, K_INT8,
                                                                               V_INT8, NUM_SPLITS
-    sparse_mla_prefill (Triton)   sparse_mla_prefill_kernel       autotune    H_BUCKET, TOPK_BUCKET
+    sparse_mla_prefill (Triton)   sparse_mla_prefill_kernel       autotune    H_BUCKET, TOPK_BUCKET,
+                                                                              D_ROPE (576 or 512 rows)
     sparse_mla_decode (Triton)    sparse_mla_decode_kernel        select      H (<= 16 or more)
 
 Not config spaces, on purpose:

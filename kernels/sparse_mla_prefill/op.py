@@ -2,16 +2,21 @@
 
     out[t, h]  = sum_j softmax_j(scale * q[t, h] . kv[i_j]) * kv[i_j, :512],  i_j = indices[t, j]
 
-over the valid j (0 <= i_j < N and j < topk_length[t]). The 576 dims of q and kv are a 512-wide
-latent part ("nope", also the value) and a 64-wide rope part.
+over the valid j (0 <= i_j < N and j < topk_length[t]). Two row widths d_qk, the value always
+the first 512 dims of a row:
+
+- 576 (DeepSeek-V3.2): a 512-wide latent part ("nope", also the value) and a 64-wide rope part.
+- 512 (DeepSeek-V4, FlashMLA's MODEL1): 448 nope + 64 rope dims, and the value is the whole row;
+  the kernel sees no rope part (D_ROPE = 0): the score is q . kv over the 512 dims it also sums.
 
 One kernel, `sparse_mla_prefill_kernel`: a program owns one query token and a block of heads
 (16, 32 or 64, never more: the [heads, 512] fp32 accumulator lives in registers), and walks the
 token's indices BLOCK_N at a time with an online softmax in base 2 (log2(e) folded into the
 scale). Per block of rows:
 
-- the rows are gathered once, as three tiles: latent[:256], latent[256:], rope. Three score dots
-  (no padding of 576 to 640) and two value dots that reuse the two latent tiles as V. The halves
+- the rows are gathered once, as three tiles: latent[:256], latent[256:], rope (d_qk 576; two at
+  d_qk 512). Three score dots (no padding of 576 to 640) and two value dots that reuse the two
+  latent tiles as V. The halves
   also give each thread fewer distinct rows to address (Triton spreads a 512-wide tile over the
   warps of a row; a 256-wide one fits one warp), and the loop is instruction-bound.
 - the loads are masked (an invalid index is never read) and software-pipelined (num_stages):
@@ -27,8 +32,9 @@ scale). Per block of rows:
 On Hopper (Gluon available, kv rows on 16 bytes) two Gluon kernels take over: H <= 32 runs with
 keys on the wgmma M, warp-specialised (kernels/sparse_mla_prefill/sm90_kn.py), H > 32 in 64-head
 blocks (kernels/sparse_mla_prefill/sm90.py: score tile split over the two warpgroups, the next
-rows' gather issued a whole step ahead). This kernel serves everything else (other GPUs, the
-interpreter, OPENMLA_SM90_GLUON=0, unaligned rows).
+rows' gather issued a whole step ahead). They are written for d_qk 576. This kernel serves
+everything else (d_qk 512 on every GPU, other GPUs, the interpreter, OPENMLA_SM90_GLUON=0,
+unaligned rows).
 
 Timings: docs/benchmarks.md; the measurements behind these choices and the variants tried:
 docs/notes/sparse_mla_prefill.md.
@@ -51,18 +57,20 @@ from openmla.quant.mla_formats import BF16_MLA
 
 D_LAT = BF16_MLA.latent_dim  # 512, also the value width
 D_ROPE = BF16_MLA.rope_dim  # 64
-D_QK = D_LAT + D_ROPE  # 576
+D_QK = D_LAT + D_ROPE  # 576 (V3.2 rows)
+D_QK_V4 = D_LAT  # 512 (V4 / MODEL1 rows: the value is the whole row, no score-only part)
 
 _SMEM_SLACK = 8 * 1024  # the compiler's reduction and layout-conversion scratch beyond the estimate
 _LOG2E = 1.4426950408889634
 
 
-def _block_h(H: int, arch) -> int:
+def _block_h(H: int, arch, d_qk: int = D_QK) -> int:
     """Heads per program: the smallest of 16 / 32 / 64 that holds H (tensor-core M is >= 16), at
     most what leaves room beside q for one 32-row buffer in the device's shared memory (on 99 KB
     GPUs 32 heads, on 64 KB ones 16: more head blocks, each gathering the rows again)."""
     block_h = 16 if H <= 16 else 32 if H <= 32 else 64
-    while block_h > 16 and _smem_estimate(block_h, 32, 2, True, arch) > arch.smem_bytes - _SMEM_SLACK:
+    while (block_h > 16
+           and _smem_estimate(block_h, 32, 2, True, arch, d_qk) > arch.smem_bytes - _SMEM_SLACK):
         block_h //= 2
     return block_h
 
@@ -81,7 +89,8 @@ _CONFIGS = [
 ]
 
 
-def _smem_estimate(block_h: int, block_n: int, stages: int, prefetch: bool, arch) -> int:
+def _smem_estimate(block_h: int, block_n: int, stages: int, prefetch: bool, arch,
+                   d_qk: int = D_QK) -> int:
     """Shared memory of a config on `arch`, at most: q (bf16, resident) plus the row buffers.
     Buffers Triton 3.6 allocates (compiles for each target, tests/kernels/test_aot_compile.py):
     with the index load in the loop max(stages - 2, 2) (the index load and the consumer take a
@@ -92,19 +101,21 @@ def _smem_estimate(block_h: int, block_n: int, stages: int, prefetch: bool, arch
     buffers = (stages if wide else stages - 1) if prefetch else max(stages - 2, 2)
     if block_h >= 64 and arch.mma == "tcgen05":
         buffers += 1.5
-    return int(block_h * D_QK * 2 + buffers * block_n * D_QK * 2)
+    return int(block_h * d_qk * 2 + buffers * block_n * d_qk * 2)
 
 
 def _prune_configs(configs, named_args, **kwargs):
     """Configs worth timing for this head block on this device; each rule says why it drops a
     config. The rules after the register one were tuned on Hopper; where none of their
-    choices fits the device's shared memory, every config that fits is timed."""
+    choices fits the device's shared memory, every config that fits is timed. The rules were
+    measured at d_qk 576; d_qk 512 rows (D_ROPE = 0) keep them, with their own shared memory."""
     block_h = kwargs["BLOCK_H"]
+    d_qk = D_LAT + kwargs.get("D_ROPE", D_ROPE)
     arch = arch_of(named_args["q_ptr"].device)
     budget = arch.smem_bytes - _SMEM_SLACK
     fits = [c for c in configs
-            if _smem_estimate(block_h, c.kwargs["BLOCK_N"], c.num_stages, c.kwargs["PREFETCH"], arch)
-            <= budget
+            if _smem_estimate(block_h, c.kwargs["BLOCK_N"], c.num_stages, c.kwargs["PREFETCH"], arch,
+                              d_qk) <= budget
             # The [64, 512] fp32 accumulator is 128 registers a thread at 8 warps; at 4 warps it
             # would be 256, more than a thread has.
             and not (block_h >= 64 and c.num_warps != 8)]
@@ -148,7 +159,7 @@ def _defaults_first(c) -> bool:
 
 
 _SPACE = ConfigSpace("sparse_mla_prefill_kernel", tuple(sorted(_CONFIGS, key=_defaults_first)),
-                     key=("H_BUCKET", "TOPK_BUCKET"), prune=_prune_configs)
+                     key=("H_BUCKET", "TOPK_BUCKET", "D_ROPE"), prune=_prune_configs)
 
 
 @_SPACE.autotune()
@@ -173,12 +184,13 @@ def sparse_mla_prefill_kernel(
     m_h = o_h < H
     o_a = tl.arange(0, HALF)
     o_b = HALF + tl.arange(0, HALF)
-    o_r = D_LAT + tl.arange(0, D_ROPE)
 
     p_q = q_ptr + i_t * stride_qt + o_h[:, None] * stride_qh
     b_qa = tl.load(p_q + o_a[None, :], mask=m_h[:, None], other=0.0)
     b_qb = tl.load(p_q + o_b[None, :], mask=m_h[:, None], other=0.0)
-    b_qr = tl.load(p_q + o_r[None, :], mask=m_h[:, None], other=0.0)
+    if D_ROPE > 0:  # d_qk 576: the score-only rope tile (d_qk 512 rows have none)
+        o_r = D_LAT + tl.arange(0, D_ROPE)
+        b_qr = tl.load(p_q + o_r[None, :], mask=m_h[:, None], other=0.0)
 
     n_use = TOPK
     if HAS_LEN:
@@ -214,10 +226,12 @@ def sparse_mla_prefill_kernel(
             p_kv = kv_ptr + b_idx.to(tl.int64) * stride_kv
         b_ka = tl.load(p_kv[:, None] + o_a[None, :], mask=m_n[:, None], other=0.0)
         b_kb = tl.load(p_kv[:, None] + o_b[None, :], mask=m_n[:, None], other=0.0)
-        b_kr = tl.load(p_kv[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0)
-
-        b_s = tl.dot(b_qr, tl.trans(b_kr))
-        b_s = tl.dot(b_qa, tl.trans(b_ka), b_s)
+        if D_ROPE > 0:
+            b_kr = tl.load(p_kv[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0)
+            b_s = tl.dot(b_qr, tl.trans(b_kr))
+            b_s = tl.dot(b_qa, tl.trans(b_ka), b_s)
+        else:
+            b_s = tl.dot(b_qa, tl.trans(b_ka))
         b_s = tl.dot(b_qb, tl.trans(b_kb), b_s)
         # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
         b_s = tl.where(m_n[None, :], keep_faults(b_s), float("-inf"))
@@ -247,18 +261,18 @@ def sparse_mla_prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 def _launch(q, kv, indices, scale, topk_length, attn_sink, out):
     """Run the kernel over (token, head block) programs, writing out; returns (lse, max_logits)."""
-    T, H, _ = q.shape
+    T, H, d_qk = q.shape
     N, topk = kv.shape[0], indices.shape[1]
     max_logits = torch.empty((T, H), dtype=torch.float32, device=q.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0 or H == 0:
         return lse, max_logits
-    if _sm90.usable(q, kv):  # Hopper with Gluon, 16-byte rows
+    if d_qk == D_QK and _sm90.usable(q, kv):  # Hopper with Gluon, 16-byte rows, V3.2 width
         sm90 = _kn if H <= _kn.MAX_HEADS else _sm90
         sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
                     D_LAT, D_ROPE)
         return lse, max_logits
-    block_h = _block_h(H, arch_of(q.device))
+    block_h = _block_h(H, arch_of(q.device), d_qk)
     num_hb = triton.cdiv(H, block_h)
     # Unused pointer arguments get a tensor of the right kind; the kernel never reads them.
     len_arg = topk_length if topk_length is not None else indices
@@ -270,8 +284,8 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink, out):
         scale, scale * _LOG2E,
         _bucket(H, 16, 128), _bucket(topk, 32, 2048),
         HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
-        OFF32=(N - 1) * kv.stride(0) + D_QK < 2 ** 31,
-        D_LAT=D_LAT, D_ROPE=D_ROPE, BLOCK_H=block_h,
+        OFF32=(N - 1) * kv.stride(0) + d_qk < 2 ** 31,
+        D_LAT=D_LAT, D_ROPE=d_qk - D_LAT, BLOCK_H=block_h,
     )
     return lse, max_logits
 
@@ -295,9 +309,11 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     """Sparse MLA attention of prefill tokens over rows of a bf16 workspace.
 
     Args:
-        q: [T, H, 576] bf16, last dim contiguous (any H >= 1, any token/head strides).
-        kv: [N, 576] bf16, rows contiguous, row stride may exceed 576 (a flat view of a bf16
-            cache or the chunk workspace): latent 512 | rope 64; the latent is also the value.
+        q: [T, H, d_qk] bf16, last dim contiguous (any H >= 1, any token/head strides); d_qk is
+            kv's.
+        kv: [N, d_qk] bf16, rows contiguous, row stride may exceed d_qk (a flat view of a bf16
+            cache or the chunk workspace). d_qk 576 (V3.2): latent 512 | rope 64, the latent is
+            the value; d_qk 512 (V4 / MODEL1): nope 448 | rope 64, the whole row is the value.
         indices: [T, topk] int32 rows of kv, last dim contiguous; an index < 0 or >= N is
             invalid, skipped and never read.
         scale: softmax scale applied to q . k: any finite nonzero number.
@@ -307,14 +323,18 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         out: optional [T, H, 512] bf16 to write into (last dim contiguous).
 
     Returns (the order of every attention op, kernels/__init__.py):
-        out: [T, H, 512] bf16, the softmax-weighted sum of latent rows.
+        out: [T, H, 512] bf16, the softmax-weighted sum of the rows' first 512 dims.
         lse: [T, H] fp32, natural-log sum of exp(scale * q . k_j).
         max_logits: [T, H] fp32, max over valid j of scale * q . k_j.
         A row with no valid index gives out = 0, lse = -inf, max_logits = -inf.
     """
-    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, D_QK), last_dim_contiguous=True)
+    # kv's width names the model (576 V3.2, 512 V4); q must have the same
+    check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, last_dim_contiguous=True)
+    if kv.shape[1] not in (D_QK, D_QK_V4):
+        fail("kv.shape", f"(*, {D_QK}) or (*, {D_QK_V4})", tuple(kv.shape))
+    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, kv.shape[1]),
+                 last_dim_contiguous=True)
     T, H, _ = q.shape
-    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, D_QK), last_dim_contiguous=True)
     check_tensor("indices", indices, dtype=torch.int32, shape=(T, None), last_dim_contiguous=True)
     if indices.shape[1] < 1:
         fail("indices.shape[1] (topk)", ">= 1", indices.shape[1])

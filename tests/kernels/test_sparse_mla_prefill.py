@@ -1,21 +1,14 @@
-"""kernels.sparse_mla_prefill against the fp32 oracle kernels.reference.sparse_mla_ref.
+"""kernels.sparse_mla_prefill (d_qk 576) against the fp32 oracle kernels.reference.sparse_mla_ref.
 
 out within "sparse_prefill" (abs 8e-4 or rel 3/128 elementwise), max_logits and lse within
-"lse" (abs 1e-5), inf positions exact. Inputs are adversarial by default: every kv row that no
-valid index selects is NaN (so any read of an invalid or unused row shows), invalid indices of
-every kind, duplicate indices, a non-default softmax scale, empty rows.
-
-Data scale: q ~ N(0, 1), kv ~ N(0, 1) / 10, as in FlashMLA's prefill tests. The kernel, like
-FlashMLA and FlashAttention, feeds the softmax weights to the value dot as bf16 (relative error
-up to 2^-9 per weight), so the absolute error of out scales with |v|; with unit-variance values
-and a few dominant keys it would exceed 8e-4 on near-zero outputs. The scale does not hide
-wrong indexing, masking or softmax bookkeeping, which all show as O(1) relative errors.
+"lse" (abs 1e-5), inf positions exact. Inputs are adversarial by default (tests/helpers/prefill.py:
+NaN in every kv row no valid index selects, invalid indices of every kind, duplicate indices, a
+non-default softmax scale, empty rows; the data scale and why). d_qk 512 (V4):
+test_sparse_mla_prefill_d512.py.
 """
 from __future__ import annotations
 
 import re
-import zlib
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,69 +16,9 @@ import torch
 from openmla.kernels.sparse_mla_prefill import sm90 as sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as sm90_kn
 from openmla.kernels.device import sm90_gluon
-from openmla.kernels.reference import sparse_mla_ref
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
-from tests.helpers import DEVICE, GPU_ONLY, SM90_ONLY, assert_close, compile_gluon_sm90, invalid_indices
-
-DEFAULT_SCALE = 576 ** -0.5
-
-
-@dataclass(frozen=True)
-class Case:
-    T: int
-    H: int
-    topk: int
-    N: int = 400
-    invalid: float = 0.0  # fraction of indices replaced by invalid values (every kind cycles)
-    lengths: bool = False  # topk_length with 0, negative, > topk and random values
-    sink: bool = False
-    scale: float = DEFAULT_SCALE
-    row_stride: int = 576  # kv row stride in elements (> 576: a strided view)
-    q_heads_stride: int = 0  # extra heads in q's backing buffer (q a strided view), 0: contiguous
-
-
-def build(c: Case, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    backing = torch.full((c.N, c.row_stride), float("nan"), dtype=torch.bfloat16)
-    kv = backing[:, :576]
-    idx = torch.randint(0, c.N, (c.T, c.topk), generator=g, dtype=torch.int32)  # duplicates too
-    if c.invalid:
-        bad = torch.tensor(invalid_indices(c.N), dtype=torch.int32)
-        which = torch.rand(c.T, c.topk, generator=g) < c.invalid
-        kinds = torch.arange(c.T * c.topk).view(c.T, c.topk) % len(bad)
-        idx = torch.where(which, bad[kinds], idx)
-        if c.T > 1:
-            idx[-1] = bad[torch.arange(c.topk) % len(bad)]  # a row with no valid index at all
-    used = idx[(idx >= 0) & (idx < c.N)].long().unique()
-    kv[used] = (torch.randn(used.numel(), 576, generator=g) / 10).to(torch.bfloat16)
-    q_full = torch.randn(c.T, c.H + c.q_heads_stride, 576, generator=g).to(torch.bfloat16)
-    q = q_full[:, :c.H]
-    topk_length = None
-    if c.lengths:
-        topk_length = torch.randint(-2, c.topk + 3, (c.T,), generator=g, dtype=torch.int32)
-        topk_length[0] = 0
-        if c.T > 2:
-            topk_length[1] = c.topk + 5
-    attn_sink = None
-    if c.sink:
-        attn_sink = torch.randn(c.H, generator=g) * 2
-        attn_sink[0] = float("-inf")  # a head whose sink takes nothing
-    args = dict(q=q, kv=kv, indices=idx, topk_length=topk_length, attn_sink=attn_sink)
-    return {k: (v.to(DEVICE) if v is not None else None) for k, v in args.items()}
-
-
-def check(c: Case, request):
-    seed = zlib.crc32(request.node.name.encode())
-    a = build(c, seed)
-    out, lse, max_logits = sparse_mla_prefill(a["q"], a["kv"], a["indices"], scale=c.scale,
-                                              topk_length=a["topk_length"], attn_sink=a["attn_sink"])
-    want_out, want_ml, want_lse = sparse_mla_ref(a["q"], a["kv"], a["indices"], scale=c.scale,
-                                                 topk_length=a["topk_length"], attn_sink=a["attn_sink"])
-    assert out.dtype == torch.bfloat16 and out.shape == (c.T, c.H, 512)
-    assert_close("out", out.float(), want_out, "sparse_prefill")
-    assert_close("max_logits", max_logits, want_ml, "lse")
-    assert_close("lse", lse, want_lse, "lse")
-    return out, max_logits, lse
+from tests.helpers import DEVICE, GPU_ONLY, SM90_ONLY, compile_gluon_sm90
+from tests.helpers.prefill import Case, build, check
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,8 +178,9 @@ def test_sm90_kn_kernel_compiles(block_h):
 
 # ------------------------------------------------------------------------------------------------
 # The torch custom op and its fake implementation
-def test_custom_op_and_fake():
-    c = Case(T=2, H=5, topk=50)
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_custom_op_and_fake(d_qk):
+    c = Case(T=2, H=5, topk=50, d_qk=d_qk)
     a = build(c, 1)
     out = torch.full((2, 5, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     got = torch.ops.openmla.sparse_mla_prefill(a["q"], a["kv"], a["indices"], None, None, out, 0.1)
