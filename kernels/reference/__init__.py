@@ -15,11 +15,14 @@ Conventions shared by every oracle here:
   * Host syncs are fine here (these are oracles, not run paths): lengths are read with .tolist().
 
 One module a family: sparse.py (sparse MLA), mha.py (MHA / GQA), merge.py (merging partial results,
-index conversion); _common.py holds the softmax with a sink and the fault marking they share.
+index conversion), indexer.py (the DSA lightning indexer: logits, top-k); _common.py holds the
+softmax with a sink and the fault marking they share.
 """
 from openmla.kernels.reference.sparse import sparse_mla_ref, sparse_mla_decode_ref
 from openmla.kernels.reference.mha import attention_varlen_ref, local_attention_ref, paged_attention_ref
 from openmla.kernels.reference.merge import convert_req_index_ref, merge_attn_states_ref
+from openmla.kernels.reference.indexer import (decode_row_ends_ref, indexer_q_quant_ref, indexer_topk_ref,
+                                              mqa_logits_ref, paged_mqa_logits_ref, topk_per_row_ref)
 
 __all__ = [
     "sparse_mla_ref",
@@ -29,4 +32,10 @@ __all__ = [
     "local_attention_ref",
     "merge_attn_states_ref",
     "convert_req_index_ref",
+    "indexer_q_quant_ref",
+    "mqa_logits_ref",
+    "paged_mqa_logits_ref",
+    "decode_row_ends_ref",
+    "topk_per_row_ref",
+    "indexer_topk_ref",
 ]
