@@ -78,28 +78,86 @@ def sparse_mla_ref(q, kv, indices, *, scale, topk_length=None, attn_sink=None, d
     return out, max_logits, lse
 
 
-def sparse_mla_decode_ref(q, cache, indices, *, scale, topk_length=None, attn_sink=None, fmt=None):
-    """Sparse MLA decode over a paged MLA cache; indices are global slots.
+def _slot_rows(cache, fmt, name: str):
+    """A paged MLA cache -> (its format, fp32 rows [num_blocks * block_size, head_dim]); row
+    slot = block * block_size + offset. [nb, bs, row] or FlashMLA's [nb, bs, 1, row]."""
+    fmt = mla_format_of(cache, name) if fmt is None else fmt
+    check_tensor(name, cache)
+    if cache.dim() not in (3, 4) or (cache.dim() == 4 and cache.shape[2] != 1):
+        fail(f"{name}.shape", "[num_blocks, block_size, row] or [num_blocks, block_size, 1, row]",
+             tuple(cache.shape))
+    nb, bs = cache.shape[:2]
+    return fmt, fmt.unpack(cache).reshape(nb * bs, fmt.head_dim)
+
+
+def _counted_slots(indices, num_slots: int, lengths, name: str, length_name: str):
+    """indices [T, K] -> int64 [T, K] with every uncounted position -1: invalid slots (< 0 or
+    >= num_slots) and positions at or past lengths[t] (lengths clamped to [0, K])."""
+    check_tensor(name, indices, dtype=_INTS, ndim=2)
+    idx = indices.long()
+    keep = (idx >= 0) & (idx < num_slots)
+    if lengths is not None:
+        check_tensor(length_name, lengths, dtype=_INTS, shape=(idx.shape[0],), device=idx.device)
+        n = lengths.long().clamp(0, idx.shape[1])
+        keep &= torch.arange(idx.shape[1], device=idx.device)[None, :] < n[:, None]
+    return torch.where(keep, idx, torch.full_like(idx, -1))
+
+
+def sparse_mla_decode_ref(q, cache, indices, *, scale, topk_length=None, attn_sink=None, fmt=None,
+                          extra_cache=None, extra_indices=None, extra_topk_length=None, extra_fmt=None):
+    """Sparse MLA decode over a paged MLA cache, optionally with a second cache whose selected
+    tokens join the same softmax (FlashMLA's extra_k_cache, DeepSeek-V4); indices are slots.
 
     Args:
-        q: [T, H, 576] any float dtype.
-        cache: [num_blocks, block_size, row] paged MLA cache, uint8 fp8_ds_mla (row 656) or bf16
-            (row 576); may be a strided view (block stride > block_size rows).
+        q: [T, H, D_qk] any float dtype; D_qk = the cache format's head_dim (576 for fp8_ds_mla
+            and bf16, 512 for FP8_MODEL1).
+        cache: [num_blocks, block_size, row] or [num_blocks, block_size, 1, row] paged MLA cache:
+            uint8 fp8_ds_mla (row 656), uint8 FP8_MODEL1 (row 584, laid out per block) or bf16
+            (row 576); strided views are fine.
         indices: [T, topk] int32/int64 slots block * block_size + offset; invalid = < 0 or
             >= num_blocks * block_size (skipped, never read).
-        scale, topk_length, attn_sink: as in sparse_mla_ref.
-        fmt: a quant.mla_formats descriptor, or None for mla_format_of(cache).
+        scale: softmax scale (float); s = scale * q . k over all D_qk.
+        topk_length: [T] int or None: only the first topk_length[t] of indices[t] count (the
+            first list only).
+        attn_sink: [H] fp32 or None, applied once to the combined softmax:
+            out *= exp(lse) / (exp(lse) + exp(sink[h])); lse unchanged by it.
+        fmt: the cache's format descriptor, or None for mla_format_of(cache).
+        extra_cache: None, or a second paged cache (own block size, own format; same head_dim
+            and value width as `cache`).
+        extra_indices: [T, extra_topk] slots into extra_cache (invalid: < 0 or >= its slots);
+            given exactly when extra_cache is.
+        extra_topk_length: [T] int or None: limits extra_indices as topk_length limits indices.
+        extra_fmt: extra_cache's format, or None for mla_format_of(extra_cache).
 
-    The cache is unpacked with fmt.unpack to fp32 [num_blocks, block_size, 576] and reshaped to
-    [num_blocks * block_size, 576] (slot -> (slot // block_size, slot % block_size)); then
-    sparse_mla_ref with d_v = 512.
+    Both caches are unpacked with their fmt.unpack to fp32 rows; the counted keys of both lists
+    form one softmax (a slot listed twice counts twice), V = the first latent_dim values of a
+    key (512: the latent for V3.2, the whole token for MODEL1); then as sparse_mla_ref.
 
-    Returns (out [T, H, 512] fp32, lse [T, H] fp32 natural log, -inf for an empty row).
+    Returns (out [T, H, d_v] fp32, lse [T, H] fp32 natural log, -inf for a row with no counted
+    key). A counted key with a non-finite score or value makes its row NaN.
     """
-    fmt = mla_format_of(cache, "cache") if fmt is None else fmt
-    check_tensor("cache", cache, ndim=3)
-    nb, bs = cache.shape[:2]
-    rows = fmt.unpack(cache).reshape(nb * bs, fmt.head_dim)
-    out, _, lse = sparse_mla_ref(q, rows, indices, scale=scale, topk_length=topk_length,
-                                 attn_sink=attn_sink, d_v=fmt.latent_dim)
+    fmt, rows = _slot_rows(cache, fmt, "cache")
+    if extra_cache is None:
+        if extra_indices is not None or extra_topk_length is not None or extra_fmt is not None:
+            fail("extra_cache", "a cache when extra_indices, extra_topk_length or extra_fmt is given", None)
+        out, _, lse = sparse_mla_ref(q, rows, indices, scale=scale, topk_length=topk_length,
+                                     attn_sink=attn_sink, d_v=fmt.latent_dim)
+        return out, lse
+    if extra_indices is None:
+        fail("extra_indices", "[T, extra_topk] slots when extra_cache is given", None)
+    extra_fmt, extra_rows = _slot_rows(extra_cache, extra_fmt, "extra_cache")
+    for what in ("head_dim", "latent_dim"):
+        if getattr(extra_fmt, what) != getattr(fmt, what):
+            fail(f"extra_cache ({extra_fmt.name}) {what}", f"{getattr(fmt, what)} (the {what} of cache, "
+                 f"{fmt.name})", getattr(extra_fmt, what))
+    if extra_indices.shape[0] != indices.shape[0]:
+        fail("extra_indices.shape[0]", f"{indices.shape[0]} (indices.shape[0])", extra_indices.shape[0])
+    n0 = rows.shape[0]
+    first = _counted_slots(indices, n0, topk_length, "indices", "topk_length")
+    second = _counted_slots(extra_indices, extra_rows.shape[0], extra_topk_length, "extra_indices",
+                            "extra_topk_length")
+    # One table of rows, the extra cache's after the first's; uncounted positions stay -1.
+    both = torch.cat([first, torch.where(second >= 0, second + n0, second)], dim=1)
+    out, _, lse = sparse_mla_ref(q, torch.cat([rows, extra_rows.to(rows.device)]), both.to(q.device),
+                                 scale=scale, attn_sink=attn_sink, d_v=fmt.latent_dim)
     return out, lse
