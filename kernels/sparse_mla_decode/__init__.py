@@ -1,6 +1,9 @@
-"""Sparse MLA decode over a paged bf16 or fp8_ds_mla cache: the public op `sparse_mla_decode`.
+"""Sparse MLA decode over a paged bf16, fp8_ds_mla or MODEL1 cache (optionally joined by an extra
+cache): the public op `sparse_mla_decode`.
 
-    op.py       the public op, its dispatch, configs and topk splits
+    op.py       the public op, its dispatch and launch plans
+    config.py   the Triton kernels' launch configs and the topk split count
+    model1_kernel.py  the MODEL1 (DeepSeek-V4) kernel (any GPU): main + extra list in one softmax
     triton_kernel.py  the portable Triton kernel (any GPU) and the split merge
     sm90.py     Gluon kernel for Hopper, > 32 heads: 64-head wgmma tiles
     sm90_kn.py  Gluon kernel for Hopper, <= 32 heads: keys on the wgmma M, a producer warpgroup

@@ -1,17 +1,20 @@
-"""Sparse MLA decode over a paged latent cache (fp8_ds_mla or bf16), any H 1..128, any topk:
-the public op, its dispatch, configs and topk splits.
+"""Sparse MLA decode over a paged latent cache (fp8_ds_mla, bf16 or MODEL1), any H 1..128, any
+topk, optionally joined by an extra cache: the public op, its dispatch and plans.
 
-The portable Triton kernel (kernels/sparse_mla_decode/triton_kernel.py) serves every GPU.
-On Hopper, fp8 caches go to Gluon kernels with the same contract: more than 32 heads to
-kernels/sparse_mla_decode/sm90.py (64-head wgmma tiles, score tile split over the warpgroups, row
-bytes gathered a step ahead), up to 32 heads to kernels/sparse_mla_decode/sm90_kn.py (keys on the
-wgmma M, K and V^T register operands built from the bytes, a producer warpgroup gathering); the
-Triton kernel serves everything else.
+The portable Triton kernel (kernels/sparse_mla_decode/triton_kernel.py) serves fp8_ds_mla and
+bf16 caches on every GPU. On Hopper, fp8 caches go to Gluon kernels with the same contract: more
+than 32 heads to kernels/sparse_mla_decode/sm90.py (64-head wgmma tiles, score tile split over the
+warpgroups, row bytes gathered a step ahead), up to 32 heads to kernels/sparse_mla_decode/sm90_kn.py
+(keys on the wgmma M, K and V^T register operands built from the bytes, a producer warpgroup
+gathering); the Triton kernel serves everything else. MODEL1 (DeepSeek-V4) caches go to
+kernels/sparse_mla_decode/model1_kernel.py on every GPU, with or without the extra cache (its
+programs walk the main list, then the extra one, in one softmax); an extra cache beside the other
+formats runs the Triton kernel once per list into one set of partials.
 
 When T x head blocks cannot fill the GPU, topk is split across programs and a second kernel
-merges the partial (out, lse) pairs (kernels.merge.merge_step). The split count comes from
-shapes and the SM count alone, so the op never reads a device tensor on the host and can be
-captured in a CUDA graph.
+merges the partial (out, lse) pairs (kernels.merge.merge_step) and applies the sink. The split
+count comes from shapes and the SM count alone (kernels/sparse_mla_decode/config.py), so the op
+never reads a device tensor on the host and can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ import triton
 
 from openmla.kernels.sparse_mla_decode import sm90 as _sm90
 from openmla.kernels.sparse_mla_decode import sm90_kn as _kn
+from openmla.kernels.sparse_mla_decode.config import _pick_config, _pick_splits, _split_chunk
+from openmla.kernels.sparse_mla_decode.model1_kernel import sparse_mla_decode_model1_kernel
 from openmla.kernels.sparse_mla_decode.triton_kernel import (sparse_mla_decode_kernel,
                                                              sparse_mla_decode_merge_kernel)
-from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.device import arch_of, num_sms, sm90_gluon
 from openmla.kernels.launch import FastLaunch
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
@@ -35,83 +39,6 @@ from openmla.quant.mla_formats import check_mla_format
 LOG2E = 1.4426950408889634  # host: softmax scale -> log2-domain scale
 _TILES = 4  # the kernels hold the 512-wide latent as four 128-wide tiles (fp8_ds_mla's scale tiles)
 MAX_HEADS = 128
-
-# The Triton kernel's config is selected on the host, not autotuned (kernels/configs.py):
-# autotuning benchmarks on the first call, which cannot happen inside CUDA-graph capture, and the
-# split count chosen on the host depends on the block shape. `_SPACE`'s prune rule is the table
-# measured on Hopper (docs/notes/sparse_mla_decode.md).
-
-
-def _config(block_h, block_n, num_warps, maxnreg=None):
-    return triton.Config({"BLOCK_H": block_h, "BLOCK_N": block_n}, num_warps=num_warps,
-                         num_stages=2, maxnreg=maxnreg)
-
-
-def _table(configs, named_args, *, H):
-    """The table measured on Hopper (docs/notes/sparse_mla_decode.md), one config per head-count
-    bucket: H <= 16 in 16-head blocks of 32 rows at 4 warps, capped at 168 registers (three
-    programs per SM); larger H in 32-head blocks of 64 rows at 8 warps (one program per SM).
-    Both fit every target's shared memory (at most 115 KB on sm_90, 63 KB before it, 41 KB on
-    AMD: tests/kernels/test_aot_compile.py); the register cap is an NVIDIA option (AMD has no
-    maxnreg), so there the 16-head block runs uncapped."""
-    capped_ok = arch_of(named_args["q_ptr"].device).maxnreg
-    return [c for c in configs if (c.kwargs["BLOCK_H"] == 16) == (H <= 16)
-            and (c.maxnreg is None or capped_ok)]
-
-
-_SPACE = ConfigSpace("sparse_mla_decode_kernel",
-                     (_config(16, 32, 4, maxnreg=168), _config(16, 32, 4), _config(32, 64, 8)),
-                     key=("H",), prune=_table)
-
-
-def _pick_config(q, H: int) -> dict:
-    """The config of the Triton kernel for H heads (`_SPACE.select`), as the planner reads it.
-
-    occupancy: programs of this config resident per SM (registers and shared memory), used to
-    size the split count. 16-head blocks: 168 registers x 128 threads and 72 KB shared -> 3 per
-    SM. 32-head blocks: one program of 8 warps per SM (255 registers)."""
-    c = _SPACE.select({"q_ptr": q}, H=H)
-    return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, maxnreg=c.maxnreg,
-                occupancy=3 if c.kwargs["BLOCK_H"] == 16 else 1)
-
-
-WAVES = 2  # at most about two rounds of resident programs
-MIN_STEPS = 5  # shorter splits spend more on the q prologue, partial stores and the merge
-MIN_FILL = 0.9  # share of the resident-program slots the last round must keep busy
-
-
-def _split_chunk(topk: int, splits: int, block_n: int) -> int:
-    """Keys per split: a multiple of BLOCK_N; ceil(topk / chunk) splits actually run."""
-    return triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n
-
-
-def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int:
-    """Split count from shapes and the SM count only (no device tensor is read).
-
-    Programs all run the same number of key blocks, so the GPU works in rounds of
-    occupancy x SMs programs: a count just under a multiple of that round keeps every slot busy,
-    one just over leaves a nearly empty last round that takes as long as a full one. Take the
-    largest split count up to WAVES rounds whose rounds are
-    at least MIN_FILL full, with at least MIN_STEPS key blocks per split; failing that, the
-    fullest."""
-    base = T * num_hb
-    slots = cfg["occupancy"] * num_sms
-    if cfg.get("one_round"):
-        # the Gluon kernel (one program per SM): fewer, longer splits within a single round, as
-        # each split pays the q prologue and a partial row for each of its 64 heads (the timings
-        # against the two-round rule: docs/notes/sparse_mla_decode.md)
-        most = max(1, min(slots // base, topk // (cfg.get("min_steps", MIN_STEPS) * cfg["BLOCK_N"])))
-    else:
-        most = max(1, min(triton.cdiv(WAVES * slots, base), topk // (MIN_STEPS * cfg["BLOCK_N"])))
-    best, best_fill = 1, 0.0
-    for s in range(1, most + 1):
-        s = triton.cdiv(topk, _split_chunk(topk, s, cfg["BLOCK_N"]))
-        n = base * s
-        fill = n / (triton.cdiv(n, slots) * slots)
-        if fill >= MIN_FILL or fill > best_fill + 1e-9 and best_fill < MIN_FILL:
-            best, best_fill = s, fill
-    return best
-
 
 # What a launch needs beyond its tensors, per call signature: the kernel, grid, split count and
 # constexprs depend only on shapes, strides, the format, the device and the optional inputs, so
@@ -215,93 +142,281 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
     else:
         kernel(grid, *args, **consts)
     if num_splits > 1:
-        block_hm = min(16, triton.next_power_of_2(H))
-        margs = (po, plse, sink, out, lse, H, num_splits, out.stride(0), out.stride(1))
-        mconsts = dict(HAS_SINK=attn_sink is not None, BLOCK_H=block_hm, DV=fmt.latent_dim,
-                       num_warps=4)
-        mgrid = (T, triton.cdiv(H, block_hm))
-        if aligned:
-            _MERGE.keyed((key, out.stride(0), out.stride(1)), mgrid, *margs, **mconsts)
-        else:
-            _MERGE(mgrid, *margs, **mconsts)
+        _merge(po, plse, attn_sink, out, lse, fmt, (key, out.stride(0), out.stride(1)) if aligned else None)
     return lse
+
+
+def _merge(po, plse, attn_sink, out, lse, fmt, key):
+    """Merge the partials po [T, S, H, D] / plse [T, S, H] into out and lse; the sink applies here,
+    once. key: a FastLaunch key fixing every argument but the pointers (None: Triton's launch)."""
+    T, num_splits, H = plse.shape
+    block_hm = min(16, triton.next_power_of_2(H))
+    sink = attn_sink if attn_sink is not None else lse
+    margs = (po, plse, sink, out, lse, H, num_splits, out.stride(0), out.stride(1))
+    mconsts = dict(HAS_SINK=attn_sink is not None, BLOCK_H=block_hm, DV=fmt.latent_dim, num_warps=4)
+    mgrid = (T, triton.cdiv(H, block_hm))
+    if key is not None:
+        _MERGE.keyed(key, mgrid, *margs, **mconsts)
+    else:
+        _MERGE(mgrid, *margs, **mconsts)
+
+
+_M1 = FastLaunch(sparse_mla_decode_model1_kernel)
+
+
+def _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt, config, num_splits):
+    """(grid, ints, constexprs, splits) of the MODEL1 kernel (kernels/sparse_mla_decode/
+    model1_kernel.py). Its program walks one split of the joined list: the main indices, then from
+    XSTART (topk rounded up to BLOCK_N) the extra ones; the splits are sized over that length as
+    for the fp8_ds_mla kernel (its register and shared-memory footprint is the same: eight
+    64-wide accumulators for four 128-wide ones)."""
+    T, H, _ = q.shape
+    topk = indices.shape[1]
+    cfg = _pick_config(q, H)
+    if config:
+        cfg.update(config)
+    block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
+    block_n = cfg["BLOCK_N"]
+    num_hb = triton.cdiv(H, block_h)
+    xtopk = extra_indices.shape[1] if extra_cache is not None else 0
+    xstart = triton.cdiv(topk, block_n) * block_n
+    joined = xstart + xtopk if xtopk else topk
+    if num_splits is None:
+        num_splits = _pick_splits(T, num_hb, joined, cfg, num_sms(q.device))
+    chunk = _split_chunk(joined, num_splits, block_n)
+    num_splits = triton.cdiv(joined, chunk)
+    nb, bs = cache.shape[:2]
+    xnb, xbs = extra_cache.shape[:2] if xtopk else (1, 1)
+    ints = (H, topk, xtopk, xstart, chunk, num_hb, num_splits, nb * bs, bs, xnb * xbs, xbs)
+    consts = dict(E4M3=arch_of(q.device).e4m3, HAS_EXTRA=xtopk > 0, SPLIT=num_splits > 1,
+                  BLOCK_H=block_h, BLOCK_N=block_n, TILE=fmt.tile_size, NT=fmt.num_tiles,
+                  ROPE=fmt.rope_dim, REC=fmt.record_bytes, ROPE_OFF=fmt.rope_offset,
+                  SCALE_BYTES=fmt.scale_stride, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):
+        consts["maxnreg"] = cfg["maxnreg"]
+    return (T * num_hb, num_splits), ints, consts, num_splits
+
+
+def _launch_model1(q, cache, indices, topk_length, attn_sink, out, scale, fmt, extra_cache=None,
+                   extra_indices=None, extra_topk_length=None, *, config=None, num_splits=None):
+    """Launch over validated MODEL1 inputs (an optional extra cache); writes out, returns lse."""
+    T, H, _ = q.shape
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return lse
+    extra = extra_cache is not None
+    # a block's stride matters only when there is more than one block
+    stride_cb = cache.stride(0) if cache.shape[0] > 1 else 0
+    stride_xb = extra_cache.stride(0) if extra and extra_cache.shape[0] > 1 else 0
+    key = ("model1", q.device, T, H, indices.shape[1], fmt, tuple(cache.shape[:2]), stride_cb,
+           tuple(extra_cache.shape[:2]) if extra else None, extra_indices.shape[1] if extra else 0,
+           stride_xb, tuple(sorted(config.items())) if config else None, num_splits,
+           arch_of(q.device))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt,
+                                          config, num_splits)
+    grid, ints, consts, num_splits = plan
+    if num_splits > 1:
+        po = torch.empty((T, num_splits, H, fmt.latent_dim), dtype=torch.float32, device=q.device)
+        plse = torch.empty((T, num_splits, H), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = lse  # unused
+    sink = attn_sink if attn_sink is not None else lse
+    length = topk_length if topk_length is not None else lse
+    xlength = extra_topk_length if extra_topk_length is not None else lse
+    xcache = extra_cache if extra else cache
+    xidx = extra_indices if extra else indices
+    consts = dict(consts, HAS_LEN=topk_length is not None, HAS_XLEN=extra_topk_length is not None,
+                  HAS_SINK=attn_sink is not None)
+    args = (q, cache, indices, length, xcache, xidx, xlength, sink, out, lse, po, plse, *ints,
+            q.stride(0), q.stride(1), stride_cb, stride_xb, indices.stride(0), xidx.stride(0),
+            out.stride(0), out.stride(1), float(scale) * LOG2E)
+    # the plan's key, the optional inputs and the strides below fix every int argument and dtype;
+    # with every pointer 16-byte aligned it keys the launch too
+    aligned = (q.data_ptr() | cache.data_ptr() | indices.data_ptr() | length.data_ptr()
+               | xcache.data_ptr() | xidx.data_ptr() | xlength.data_ptr() | sink.data_ptr()
+               | out.data_ptr() | lse.data_ptr() | po.data_ptr() | plse.data_ptr()) & 15 == 0
+    if aligned:
+        key = (key, topk_length is None, extra_topk_length is None, attn_sink is None, q.stride(0),
+               q.stride(1), indices.stride(0), xidx.stride(0), out.stride(0), out.stride(1))
+        _M1.keyed(key, grid, *args, **consts)
+    else:
+        _M1(grid, *args, **consts)
+    if num_splits > 1:
+        _merge(po, plse, attn_sink, out, lse, fmt, (key, 0) if aligned else None)
+    return lse
+
+
+def _launch_extra(q, cache, indices, topk_length, attn_sink, out, scale, fmt, extra_cache,
+                  extra_indices, extra_topk_length):
+    """fp8_ds_mla or bf16 caches with an extra cache: the Triton kernel runs over each list in
+    split mode, writing its partials into one buffer at its own split offset, and the merge joins
+    them and applies the sink once. (FlashMLA serves this combination on no model; it is here for
+    completeness, not speed.)"""
+    T, H, _ = q.shape
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return lse
+    pinned = {k: v for k, v in _pick_config(q, H).items() if k in ("BLOCK_H", "BLOCK_N")}
+    parts = [_plan_launch(q, c, i, n, None, fmt, pinned, None)
+             for c, i, n in ((cache, indices, topk_length), (extra_cache, extra_indices, extra_topk_length))]
+    total = sum(p[-1] for p in parts)
+    po = torch.empty((T, total, H, fmt.latent_dim), dtype=torch.float32, device=q.device)
+    plse = torch.empty((T, total, H), dtype=torch.float32, device=q.device)
+    first = 0
+    for (kernel, grid, ints, strides, consts, splits), c, i, n in zip(
+            parts, (cache, extra_cache), (indices, extra_indices), (topk_length, extra_topk_length)):
+        ints = ints[:4] + (total,) + ints[5:]  # NUM_SPLITS: the partials' split stride
+        # the partial rows of this list start at split `first` (pointer offsets)
+        args = (q, c, i, n if n is not None else lse, lse, out, lse, po.view(-1)[first * H * fmt.latent_dim:],
+                plse.view(-1)[first * H:], *ints, q.stride(0), q.stride(1), *strides, i.stride(0),
+                out.stride(0), out.stride(1), float(scale) * LOG2E)
+        kernel(grid, *args, **dict(consts, SPLIT=True, HAS_SINK=False))
+        first += splits
+    _merge(po, plse, attn_sink, out, lse, fmt, None)
+    return lse
+
+
+def _run(q, cache, indices, topk_length, attn_sink, out, scale, fmt, extra_cache, extra_indices,
+         extra_topk_length):
+    """The launch for validated inputs: MODEL1 kernel, an extra cache over the other formats, or
+    the fp8_ds_mla / bf16 kernels. Returns lse."""
+    if getattr(fmt, "blocked", False):
+        return _launch_model1(q, cache, indices, topk_length, attn_sink, out, scale, fmt,
+                              extra_cache, extra_indices, extra_topk_length)
+    if extra_cache is not None:
+        return _launch_extra(q, cache, indices, topk_length, attn_sink, out, scale, fmt,
+                             extra_cache, extra_indices, extra_topk_length)
+    return _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt)
 
 
 @torch.library.custom_op("openmla::sparse_mla_decode", mutates_args=("out",))
 def _sparse_mla_decode_op(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
                           topk_length: Optional[torch.Tensor], attn_sink: Optional[torch.Tensor],
-                          out: torch.Tensor, scale: float, fmt_name: str) -> torch.Tensor:
+                          out: torch.Tensor, scale: float, fmt_name: str,
+                          extra_cache: Optional[torch.Tensor] = None,
+                          extra_indices: Optional[torch.Tensor] = None,
+                          extra_topk_length: Optional[torch.Tensor] = None) -> torch.Tensor:
     # the format travels by its registry name (a custom op's arguments are tensors and scalars)
-    return _launch(q, cache, indices, topk_length, attn_sink, out, scale,
-                   cache_format(fmt_name, SPARSE_MLA))
+    return _run(q, cache, indices, topk_length, attn_sink, out, scale,
+                cache_format(fmt_name, SPARSE_MLA), extra_cache, extra_indices, extra_topk_length)
 
 
 @_sparse_mla_decode_op.register_fake
-def _(q, cache, indices, topk_length, attn_sink, out, scale, fmt_name):
+def _(q, cache, indices, topk_length, attn_sink, out, scale, fmt_name, extra_cache=None,
+      extra_indices=None, extra_topk_length=None):
     return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+def _check_cache(name, cache, fmt):
+    """A paged cache of `fmt` (already matched to its dtype and width): MODEL1 by its descriptor;
+    the others [num_blocks, block_size, width] with contiguous, non-overlapping rows."""
+    if getattr(fmt, "blocked", False):
+        fmt.check_cache(cache, name)
+    else:
+        check_tensor(name, cache, ndim=3, last_dim_contiguous=True)
+        width = cache.shape[2]
+        if cache.stride(1) < width:
+            fail(f"{name}.stride(1)", f">= {width} (rows must not overlap)", cache.stride(1))
+        if cache.stride(0) < cache.shape[1] * cache.stride(1):
+            fail(f"{name}.stride(0)", f">= block_size * stride(1) = {cache.shape[1] * cache.stride(1)}",
+                 cache.stride(0))
+    if cache.shape[0] < 1 or cache.shape[1] < 1:
+        fail(f"{name}.shape", "num_blocks >= 1 and block_size >= 1", tuple(cache.shape))
+
+
+def _check_indices(name, indices, T):
+    check_tensor(name, indices, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
+    if indices.shape[0] != T:
+        fail(f"{name}.shape[0]", f"{T} (q.shape[0])", indices.shape[0])
+    if indices.shape[1] < 1:
+        fail(f"{name}.shape[1] (topk)", ">= 1", indices.shape[1])
 
 
 def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, *, scale: float,
                       topk_length: Optional[torch.Tensor] = None, attn_sink: Optional[torch.Tensor] = None,
-                      out: Optional[torch.Tensor] = None, fmt=None):
-    """Sparse MLA decode attention over a paged latent cache.
+                      out: Optional[torch.Tensor] = None, fmt=None, extra_cache: Optional[torch.Tensor] = None,
+                      extra_indices: Optional[torch.Tensor] = None,
+                      extra_topk_length: Optional[torch.Tensor] = None):
+    """Sparse MLA decode attention over a paged latent cache, optionally joined by a second one.
 
     Args:
-        q: [T, H, 576] bf16, absorbed query (latent 512 | rope 64), H any 1..128; last dim contiguous.
-        cache: fp8_ds_mla [num_blocks, block_size, 656] uint8 (dequantized in the kernel) or
-            bf16 [num_blocks, block_size, 576]; a strided view is fine (block stride >= block_size
-            rows, rows contiguous). Slot s is row (s // block_size, s % block_size).
+        q: [T, H, D_qk] bf16, H any 1..128; last dim contiguous. D_qk = 576 (fp8_ds_mla, bf16:
+            absorbed latent 512 | rope 64) or 512 (MODEL1: nope 448 | rope 64).
+        cache: fp8_ds_mla [num_blocks, block_size, 656] uint8 (dequantized in the kernel),
+            bf16 [num_blocks, block_size, 576], or MODEL1 (DeepSeek-V4) [num_blocks, block_size,
+            1, 584] uint8 (or without the 1; quant/model1_format.py: a view over blocks of
+            block_size * 584 bytes). A strided view is fine (block stride >= the block's bytes;
+            rows contiguous). Slot s is token s % block_size of block s // block_size.
         indices: [T, topk] int32 global slots, topk >= 1; invalid = < 0 or >= num_blocks * block_size,
-            skipped and never read.
+            skipped and never read. One row per query token (a batch of s_q tokens a request: T =
+            batch * s_q rows).
         scale: softmax scale applied to q.k.
         topk_length: optional [T] int32; only the first topk_length[i] indices of row i count
-            (values > topk act as topk, values <= 0 give an empty row).
-        attn_sink: optional [H] fp32; out *= exp(lse) / (exp(lse) + exp(attn_sink)), lse unchanged.
+            (values > topk act as topk, values <= 0 count none).
+        attn_sink: optional [H] fp32; out *= exp(lse) / (exp(lse) + exp(attn_sink)), lse unchanged;
+            applied once, to the joined result when there is an extra cache.
         out: optional [T, H, 512] bf16 to write into (last dim contiguous).
-        fmt: the cache's sparse MLA format (quant.FP8_DS_MLA, FP8_DS_MLA_RAW, BF16_MLA, or a
-            layer's descriptor), checked against the cache; default `mla_format_of(cache)`.
+        fmt: the cache's sparse MLA format (quant.FP8_DS_MLA, FP8_DS_MLA_RAW, BF16_MLA, FP8_MODEL1,
+            or a layer's descriptor), checked against both caches; default `mla_format_of(cache)`.
+        extra_cache: optional second cache of the same format, its own block size and count
+            (DeepSeek-V4: the compressed cache beside the sliding-window one).
+        extra_indices: [T, extra_topk] int32 slots of extra_cache, required with it (invalid as for
+            indices). Its tokens join the same softmax as the first list's.
+        extra_topk_length: optional [T] int32, limits extra_indices as topk_length limits indices.
 
     Returns:
-        (out [T, H, 512] bf16, lse [T, H] fp32 natural log of the softmax denominator of scale*q.k).
-        A row with no valid index gives out = 0 and lse = -inf.
+        (out [T, H, 512] bf16, lse [T, H] fp32 natural log of the softmax denominator of scale*q.k
+        over both lists). A row with no valid index gives out = 0 and lse = -inf.
     """
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, last_dim_contiguous=True)
     T, H, d_qk = q.shape
     fmt = check_mla_format(cache, fmt)
-    if (fmt.latent_dim, fmt.rope_dim) != (_TILES * 128, 64) or (fmt.quantized and fmt.num_tiles != _TILES):
+    if getattr(fmt, "blocked", False):
+        if (fmt.tile_size, fmt.rope_dim, fmt.latent_dim, fmt.scale_stride) != (64, 64, 512, 8):
+            raise NotImplementedError(f"sparse_mla_decode: format {fmt} (the MODEL1 kernel reads 64-wide "
+                                      "tiles, a 64-wide rope and 8 scale bytes a token)")
+    elif (fmt.latent_dim, fmt.rope_dim) != (_TILES * 128, 64) or (fmt.quantized and fmt.num_tiles != _TILES):
         raise NotImplementedError(f"sparse_mla_decode: format {fmt} (the kernels read a {_TILES} x 128 "
                                   "latent in 128-wide scale tiles and a 64-wide rope)")
     if d_qk != fmt.head_dim:
         fail("q.shape[-1]", fmt.head_dim, d_qk)
     if not 1 <= H <= MAX_HEADS:
         fail("q.shape[1] (heads)", f"1..{MAX_HEADS}", H)
-    check_tensor("cache", cache, ndim=3, last_dim_contiguous=True)
-    num_blocks, block_size, width = cache.shape
-    if num_blocks < 1 or block_size < 1:
-        fail("cache.shape", "[num_blocks >= 1, block_size >= 1, width]", tuple(cache.shape))
-    if cache.stride(1) < width:
-        fail("cache.stride(1)", f">= {width} (rows must not overlap)", cache.stride(1))
-    if cache.stride(0) < block_size * cache.stride(1):
-        fail("cache.stride(0)", f">= block_size * stride(1) = {block_size * cache.stride(1)}", cache.stride(0))
-    check_tensor("indices", indices, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
-    if indices.shape[0] != T:
-        fail("indices.shape[0]", f"{T} (q.shape[0])", indices.shape[0])
-    if indices.shape[1] < 1:
-        fail("indices.shape[1] (topk)", ">= 1", indices.shape[1])
+    _check_cache("cache", cache, fmt)
+    _check_indices("indices", indices, T)
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(T,), contiguous=True)
+    if extra_cache is None:
+        if extra_indices is not None or extra_topk_length is not None:
+            fail("extra_indices / extra_topk_length", "None without extra_cache", "a tensor")
+    else:
+        check_mla_format(extra_cache, fmt, "extra_cache")
+        _check_cache("extra_cache", extra_cache, fmt)
+        if extra_indices is None:
+            fail("extra_indices", "[T, extra_topk] int32 with extra_cache", None)
+        _check_indices("extra_indices", extra_indices, T)
+        if extra_topk_length is not None:
+            check_tensor("extra_topk_length", extra_topk_length, dtype=torch.int32, shape=(T,),
+                         contiguous=True)
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(H,), contiguous=True)
     scale = check_scale("scale", scale)
     out = check_out(out, q, fmt.latent_dim)
     check_same_device(q=q, cache=cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
-                      out=out)
+                      out=out, extra_cache=extra_cache, extra_indices=extra_indices,
+                      extra_topk_length=extra_topk_length)
     if torch.compiler.is_compiling():
         # traced by torch.compile: the registered op, which the compiler treats as one opaque call
         lse = _sparse_mla_decode_op(q, cache, indices, topk_length, attn_sink, out, float(scale),
-                                    fmt.name)
+                                    fmt.name, extra_cache, extra_indices, extra_topk_length)
     else:
         # eager and CUDA-graph capture: straight to the launch (the custom op's dispatcher costs
         # more host time than the launch itself)
-        lse = _launch(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
+        lse = _run(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt, extra_cache,
+                   extra_indices, extra_topk_length)
     return out, lse

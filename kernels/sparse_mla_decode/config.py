@@ -1,0 +1,85 @@
+"""Launch configs of the portable Triton decode kernels and the topk split count
+(kernels/sparse_mla_decode/op.py plans with them; the MODEL1 kernel uses the same table: its
+register and shared-memory footprint is the fp8_ds_mla kernel's)."""
+from __future__ import annotations
+
+import triton
+
+from openmla.kernels.configs import ConfigSpace
+from openmla.kernels.device import arch_of
+
+# The Triton kernel's config is selected on the host, not autotuned (kernels/configs.py):
+# autotuning benchmarks on the first call, which cannot happen inside CUDA-graph capture, and the
+# split count chosen on the host depends on the block shape. `_SPACE`'s prune rule is the table
+# measured on Hopper (docs/notes/sparse_mla_decode.md).
+
+
+def _config(block_h, block_n, num_warps, maxnreg=None):
+    return triton.Config({"BLOCK_H": block_h, "BLOCK_N": block_n}, num_warps=num_warps,
+                         num_stages=2, maxnreg=maxnreg)
+
+
+def _table(configs, named_args, *, H):
+    """The table measured on Hopper (docs/notes/sparse_mla_decode.md), one config per head-count
+    bucket: H <= 16 in 16-head blocks of 32 rows at 4 warps, capped at 168 registers (three
+    programs per SM); larger H in 32-head blocks of 64 rows at 8 warps (one program per SM).
+    Both fit every target's shared memory (at most 115 KB on sm_90, 63 KB before it, 41 KB on
+    AMD: tests/kernels/test_aot_compile.py); the register cap is an NVIDIA option (AMD has no
+    maxnreg), so there the 16-head block runs uncapped."""
+    capped_ok = arch_of(named_args["q_ptr"].device).maxnreg
+    return [c for c in configs if (c.kwargs["BLOCK_H"] == 16) == (H <= 16)
+            and (c.maxnreg is None or capped_ok)]
+
+
+_SPACE = ConfigSpace("sparse_mla_decode_kernel",
+                     (_config(16, 32, 4, maxnreg=168), _config(16, 32, 4), _config(32, 64, 8)),
+                     key=("H",), prune=_table)
+
+
+def _pick_config(q, H: int) -> dict:
+    """The config of the Triton kernel for H heads (`_SPACE.select`), as the planner reads it.
+
+    occupancy: programs of this config resident per SM (registers and shared memory), used to
+    size the split count. 16-head blocks: 168 registers x 128 threads and 72 KB shared -> 3 per
+    SM. 32-head blocks: one program of 8 warps per SM (255 registers)."""
+    c = _SPACE.select({"q_ptr": q}, H=H)
+    return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, maxnreg=c.maxnreg,
+                occupancy=3 if c.kwargs["BLOCK_H"] == 16 else 1)
+
+
+WAVES = 2  # at most about two rounds of resident programs
+MIN_STEPS = 5  # shorter splits spend more on the q prologue, partial stores and the merge
+MIN_FILL = 0.9  # share of the resident-program slots the last round must keep busy
+
+
+def _split_chunk(topk: int, splits: int, block_n: int) -> int:
+    """Keys per split: a multiple of BLOCK_N; ceil(topk / chunk) splits actually run."""
+    return triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n
+
+
+def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int:
+    """Split count from shapes and the SM count only (no device tensor is read).
+
+    Programs all run the same number of key blocks, so the GPU works in rounds of
+    occupancy x SMs programs: a count just under a multiple of that round keeps every slot busy,
+    one just over leaves a nearly empty last round that takes as long as a full one. Take the
+    largest split count up to WAVES rounds whose rounds are
+    at least MIN_FILL full, with at least MIN_STEPS key blocks per split; failing that, the
+    fullest."""
+    base = T * num_hb
+    slots = cfg["occupancy"] * num_sms
+    if cfg.get("one_round"):
+        # the Gluon kernel (one program per SM): fewer, longer splits within a single round, as
+        # each split pays the q prologue and a partial row for each of its 64 heads (the timings
+        # against the two-round rule: docs/notes/sparse_mla_decode.md)
+        most = max(1, min(slots // base, topk // (cfg.get("min_steps", MIN_STEPS) * cfg["BLOCK_N"])))
+    else:
+        most = max(1, min(triton.cdiv(WAVES * slots, base), topk // (MIN_STEPS * cfg["BLOCK_N"])))
+    best, best_fill = 1, 0.0
+    for s in range(1, most + 1):
+        s = triton.cdiv(topk, _split_chunk(topk, s, cfg["BLOCK_N"]))
+        n = base * s
+        fill = n / (triton.cdiv(n, slots) * slots)
+        if fill >= MIN_FILL or fill > best_fill + 1e-9 and best_fill < MIN_FILL:
+            best, best_fill = s, fill
+    return best
