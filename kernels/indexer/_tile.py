@@ -1,0 +1,63 @@
+"""What the indexer's logits kernels share: the query block and one key tile's weighted ReLU sum.
+
+A query block is QR query rows x HP heads (HP = H padded to a power of two) flattened into the
+QR * HP rows of one dot, so a tile of keys is loaded once for every head and row that sees it.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from openmla.kernels.device import Arch
+from openmla.quant.e4m3 import e4m3_to_f16
+
+
+def fp8_dot(arch: Arch) -> bool:
+    """The dot takes the e4m3 bytes as they are (NVIDIA sm_89+ tensor cores, AMD's fp8 mfma on
+    gfx942/gfx950); elsewhere, and in the interpreter, both operands are widened to fp16 first
+    (exact: every e4m3fn value is an fp16 value, and the products are summed in fp32 either way)."""
+    if arch.backend == "cuda":
+        return arch.arch >= 89
+    return arch.backend == "hip"
+
+
+@triton.jit
+def as_dot_operand(b, FP8_DOT: tl.constexpr, E4M3: tl.constexpr):
+    """uint8 e4m3fn bytes -> the dtype the dot takes."""
+    if FP8_DOT:
+        y = b.to(tl.float8e4nv, bitcast=True)
+    else:
+        y = e4m3_to_f16(b, E4M3)
+    return y
+
+
+@triton.jit
+def load_query_block(q_ptr, w_ptr, o_row, m_row, stride_qr, stride_qh, stride_wr, H,
+                     QR: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+                     FP8_DOT: tl.constexpr, E4M3: tl.constexpr):
+    """Rows o_row [QR] (int64 row numbers; m_row masks rows that do not exist) of q [*, H, D]
+    (uint8 e4m3fn bytes) and of the folded weights [*, H] fp32.
+
+    Returns (b_q [QR * HP, D] dot operand, b_w [QR * HP] fp32: 0 for padded heads and rows)."""
+    o_h = tl.arange(0, HP)
+    o_d = tl.arange(0, D)
+    m_qh = m_row[:, None] & (o_h[None, :] < H)  # [QR, HP]
+    p_q = q_ptr + o_row[:, None, None] * stride_qr + o_h[None, :, None] * stride_qh + o_d[None, None, :]
+    b_q = tl.load(p_q, mask=m_qh[:, :, None], other=0)
+    b_q = tl.reshape(b_q, (QR * HP, D))
+    b_w = tl.load(w_ptr + o_row[:, None] * stride_wr + o_h[None, :], mask=m_qh, other=0.0)
+    return as_dot_operand(b_q, FP8_DOT, E4M3), tl.reshape(b_w.to(tl.float32), (QR * HP,))
+
+
+@triton.jit
+def weighted_relu_logits(b_q, b_w, b_k, b_scale, QR: tl.constexpr, HP: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """logit[r, n] = scale[n] * sum_h w[r, h] * relu(q[r, h] . k[n]) for one tile.
+
+    b_q [QR * HP, D], b_k [BLOCK_N, D] dot operands; b_w [QR * HP] fp32; b_scale [BLOCK_N] fp32.
+    Returns [QR, BLOCK_N] fp32. NaN in a product stays NaN through the ReLU (a fault stays
+    visible, as torch.relu keeps it)."""
+    s = tl.dot(b_q, tl.trans(b_k))  # [QR * HP, BLOCK_N], fp32 accumulation
+    s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * b_w[:, None]
+    s = tl.sum(tl.reshape(s, (QR, HP, BLOCK_N)), axis=1)
+    return s * b_scale[None, :]

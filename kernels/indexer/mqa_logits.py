@@ -1,0 +1,123 @@
+"""mqa_logits: the indexer's ragged prefill logits over a contiguous fp8 K (what vLLM gets from
+DeepGEMM's fp8_mqa_logits after gathering a chunk's keys out of the paged cache), in Triton.
+
+One program takes BLOCK_M query tokens (every head: one dot of BLOCK_M * 64 rows) and walks the
+key tiles that their windows [ks, ke) touch, with a stride of `splits`; tiles outside every
+window are not computed (a causal prompt costs half the square). Semantics:
+kernels/reference/indexer.py (mqa_logits_ref).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from openmla.kernels.device import arch_of, num_sms
+from openmla.quant.validate import check_same_device, check_tensor, fail
+from openmla.kernels.indexer._tile import (as_dot_operand, fp8_dot, load_query_block,
+                                           weighted_relu_logits)
+
+__all__ = ["mqa_logits"]
+
+
+@triton.jit
+def mqa_logits_kernel(
+    q_ptr, w_ptr, k_ptr, ks_scale_ptr, ks_ptr, ke_ptr, out_ptr,
+    stride_qt, stride_qh, stride_wr, stride_kn, stride_or,
+    T, H, S, splits,
+    BLOCK_M: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CLEAN: tl.constexpr, FP8_DOT: tl.constexpr, E4M3: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_s = tl.program_id(1)
+    o_t = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_t = o_t < T
+    b_ks = tl.minimum(tl.maximum(tl.load(ks_ptr + o_t, mask=m_t, other=0), 0), S)
+    b_ke = tl.minimum(tl.maximum(tl.load(ke_ptr + o_t, mask=m_t, other=0), b_ks), S)
+    # The key tiles any row of the block sees; empty rows do not widen it.
+    m_nz = m_t & (b_ke > b_ks)
+    lo = tl.min(tl.where(m_nz, b_ks, S))
+    hi = tl.max(tl.where(m_nz, b_ke, 0))
+    tile_lo = lo // BLOCK_N
+    tile_hi = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N), tile_lo)
+
+    b_q, b_w = load_query_block(q_ptr, w_ptr, o_t, m_t, stride_qt, stride_qh, stride_wr, H,
+                                BLOCK_M, HP, D, FP8_DOT, E4M3)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, D)
+    p_out = out_ptr + o_t[:, None] * stride_or
+    if CLEAN:
+        t_first = 0
+        t_last = tl.cdiv(S, BLOCK_N)
+    else:
+        t_first = tile_lo
+        t_last = tile_hi
+    for i_n in range(t_first + i_s, t_last, splits):
+        o_p = i_n * BLOCK_N + o_n
+        b_out = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+        if (i_n >= tile_lo) & (i_n < tile_hi):
+            m_k = (o_p >= lo) & (o_p < hi)  # keys nobody in the block sees are never read
+            b_k = tl.load(k_ptr + o_p.to(tl.int64)[:, None] * stride_kn + o_d[None, :],
+                          mask=m_k[:, None], other=0)
+            b_sc = tl.load(ks_scale_ptr + o_p, mask=m_k, other=0.0)
+            b_l = weighted_relu_logits(b_q, b_w, as_dot_operand(b_k, FP8_DOT, E4M3), b_sc,
+                                       BLOCK_M, HP, BLOCK_N)
+            m_vis = (o_p[None, :] >= b_ks[:, None]) & (o_p[None, :] < b_ke[:, None])
+            b_out = tl.where(m_vis, b_l, float("-inf"))
+        tl.store(p_out + o_p[None, :], b_out, mask=m_t[:, None] & (o_p[None, :] < S))
+
+
+def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+               ks: torch.Tensor, ke: torch.Tensor, *, clean_logits: bool = True,
+               out: torch.Tensor = None, block_m: int = 2, block_n: int = 64) -> torch.Tensor:
+    """Ragged prefill logits of the DSA indexer.
+
+    Args:
+        q: [T, H, D = 128] float8_e4m3fn (or its uint8 bytes), last dim contiguous.
+        weights: [T, H] fp32, the folded weights, last dim contiguous.
+        k: [S, 128] float8_e4m3fn (or uint8 bytes), last dim contiguous: the keys of the chunk's
+            requests back to back (quant's gather, or vLLM's cp_gather_indexer_k_quant_cache).
+        k_scale: [S] fp32 (a [S, 1] or [S, 4]-uint8 view is the caller's to flatten).
+        ks, ke: [T] int32; row t sees keys [ks[t], ke[t]) (clipped to [0, S]).
+        clean_logits: write -inf everywhere a key is not visible (True), or only inside the key
+            tiles the row's block of BLOCK_M tokens sees (False; what the top-k reads).
+        out: optional [T, S] fp32 with a contiguous last dim.
+        block_m, block_n: query tokens and keys per program tile (powers of two; block_m * H
+            rows go into one dot).
+
+    Returns logits [T, S] fp32 (see kernels/reference/indexer.py).
+    """
+    check_tensor("q", q, dtype=(torch.float8_e4m3fn, torch.uint8), ndim=3, last_dim_contiguous=True)
+    T, H, D = q.shape
+    if D != 128:
+        fail("q.shape[-1]", 128, D)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), last_dim_contiguous=True)
+    check_tensor("k", k, dtype=(torch.float8_e4m3fn, torch.uint8), shape=(None, D), last_dim_contiguous=True)
+    S = k.shape[0]
+    check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(S,))
+    check_tensor("ks", ks, dtype=torch.int32, shape=(T,))
+    check_tensor("ke", ke, dtype=torch.int32, shape=(T,))
+    for name, v, lo in (("block_m", block_m, 1), ("block_n", block_n, 16)):
+        if v < lo or v & (v - 1):
+            fail(name, f"a power of two >= {lo}", v)
+    if out is None:
+        out = torch.empty(T, S, dtype=torch.float32, device=q.device)
+    else:
+        check_tensor("out", out, dtype=torch.float32, shape=(T, S), last_dim_contiguous=True)
+    check_same_device(q=q, weights=weights, k=k, k_scale=k_scale, ks=ks, ke=ke, out=out)
+    if T == 0 or S == 0:
+        return out
+    arch = arch_of(q.device)
+    HP = triton.next_power_of_2(H)
+    block_m = max(block_m, 16 // min(HP, 16))  # a dot needs >= 16 rows
+    m_blocks = triton.cdiv(T, block_m)
+    splits = max(1, min(triton.cdiv(S, block_n), triton.cdiv(2 * num_sms(q.device), m_blocks)))
+    k_scale = k_scale if k_scale.stride(0) == 1 else k_scale.contiguous()
+    mqa_logits_kernel[(m_blocks, splits)](
+        q.view(torch.uint8), weights, k.view(torch.uint8), k_scale, ks.contiguous(), ke.contiguous(), out,
+        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0),
+        T, H, S, splits,
+        BLOCK_M=block_m, HP=HP, D=D, BLOCK_N=block_n, CLEAN=clean_logits,
+        FP8_DOT=fp8_dot(arch), E4M3=arch.e4m3, num_warps=4,
+    )
+    return out

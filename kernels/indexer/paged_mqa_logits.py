@@ -1,0 +1,156 @@
+"""paged_mqa_logits: the indexer's decode logits over the paged fp8 indexer K cache (what vLLM
+gets from DeepGEMM's fp8_paged_mqa_logits), in Triton, on any GPU Triton runs on.
+
+One program takes one request's next_n query rows (every head: one dot of next_n * 64 rows) and
+walks its key tiles with a stride of `splits`, so a small batch still fills the GPU and every
+program reads each cache byte it needs once. The row ends are read on the device (no host sync,
+CUDA-graph capturable); the grid depends on the batch size and max_model_len only.
+Semantics: kernels/reference/indexer.py (paged_mqa_logits_ref).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from openmla.kernels.device import arch_of, num_sms
+from openmla.quant.indexer_cache import INDEXER_K_FP8, indexer_k_format_of
+from openmla.quant.validate import check_same_device, check_tensor, fail
+from openmla.kernels.indexer._tile import (as_dot_operand, fp8_dot, load_query_block,
+                                           weighted_relu_logits)
+
+__all__ = ["paged_mqa_logits"]
+
+
+@triton.jit
+def paged_mqa_logits_kernel(
+    q_ptr, w_ptr, cache_ptr, scale_ptr, ctx_ptr, bt_ptr, out_ptr,
+    stride_qb, stride_qn, stride_qh, stride_wr, stride_cb, stride_ctx_b, stride_ctx_n,
+    stride_bt, stride_or,
+    N, H, block_size, num_blocks, table_width, max_model_len, splits,
+    NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PER_ROW_CTX: tl.constexpr, CLEAN: tl.constexpr, FP8_DOT: tl.constexpr, E4M3: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_s = tl.program_id(1)
+    o_j = tl.arange(0, NP)
+    m_j = o_j < N
+    # Row j of the request sees positions [0, end_j): the last token and its speculative successors.
+    if PER_ROW_CTX:
+        b_end = tl.load(ctx_ptr + i_b * stride_ctx_b + o_j * stride_ctx_n, mask=m_j, other=0)
+    else:
+        b_end = tl.load(ctx_ptr + i_b * stride_ctx_b) - N + 1 + o_j
+    b_end = tl.minimum(tl.maximum(tl.where(m_j, b_end, 0), 0), max_model_len)
+    end_max = tl.max(b_end)
+
+    b_q, b_w = load_query_block(q_ptr + i_b * stride_qb, w_ptr + i_b * N * stride_wr,
+                                o_j.to(tl.int64), m_j, stride_qn, stride_qh, stride_wr, H,
+                                NP, HP, D, FP8_DOT, E4M3)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, D)
+    p_out = out_ptr + (i_b * N + o_j.to(tl.int64))[:, None] * stride_or
+    n_work = tl.cdiv(end_max, BLOCK_N)
+    if CLEAN:
+        n_tiles = tl.cdiv(max_model_len, BLOCK_N)
+    else:
+        n_tiles = n_work
+    for i_n in range(i_s, n_tiles, splits):
+        o_p = i_n * BLOCK_N + o_n
+        b_out = tl.full([NP, BLOCK_N], float("-inf"), tl.float32)
+        if i_n < n_work:
+            i_pg = o_p // block_size
+            m_tab = (o_p < end_max) & (i_pg < table_width)
+            page = tl.load(bt_ptr + i_b * stride_bt + i_pg, mask=m_tab, other=-1).to(tl.int64)
+            # An invalid page holds no key: it is never read and its positions stay -inf.
+            m_k = m_tab & (page >= 0) & (page < num_blocks)
+            page = tl.where(m_k, page, 0)
+            o_off = o_p % block_size
+            p_k = cache_ptr + page[:, None] * stride_cb + o_off[:, None] * D + o_d[None, :]
+            b_k = tl.load(p_k, mask=m_k[:, None], other=0)
+            # scale_ptr is the cache as fp32 words: block stride / 4, scales after block_size * D bytes
+            b_sc = tl.load(scale_ptr + page * (stride_cb // 4) + block_size * (D // 4) + o_off,
+                           mask=m_k, other=0.0)
+            b_l = weighted_relu_logits(b_q, b_w, as_dot_operand(b_k, FP8_DOT, E4M3), b_sc, NP, HP, BLOCK_N)
+            m_vis = (o_p[None, :] < b_end[:, None]) & m_k[None, :]
+            b_out = tl.where(m_vis, b_l, float("-inf"))
+        tl.store(p_out + o_p[None, :], b_out, mask=m_j[:, None] & (o_p[None, :] < max_model_len))
+
+
+def _splits(device, batch: int, tiles: int) -> int:
+    """Programs per request: about two waves of the GPU over the whole batch, at most one per tile."""
+    return max(1, min(tiles, triton.cdiv(2 * num_sms(device), max(batch, 1))))
+
+
+def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
+                     context_lens: torch.Tensor, block_table: torch.Tensor, *, max_model_len: int,
+                     fmt=INDEXER_K_FP8, clean_logits: bool = True, out: torch.Tensor = None,
+                     block_n: int = 64) -> torch.Tensor:
+    """Decode logits of the DSA indexer over its paged fp8 K cache.
+
+    Args:
+        q: [B, next_n, H, D = 128] float8_e4m3fn (or its uint8 bytes); any strides with a
+            contiguous last dim. H any (64 in DeepSeek-V3.2), next_n >= 1.
+        weights: [B * next_n, H] fp32, the folded weights (row b * next_n + j), last dim contiguous.
+        cache: [num_blocks, block_size, 132] uint8, the indexer K cache (quant/indexer_cache.py),
+            any block stride.
+        context_lens: int32 [B] or [B, 1] (row j sees positions < context_lens[b] - next_n + 1 + j)
+            or [B, next_n] (row j sees positions < context_lens[b, j]).
+        block_table: [B, M] int32; an entry < 0 or >= num_blocks is an invalid page (never read,
+            its positions -inf).
+        max_model_len: logits width (positions past it are not scored).
+        fmt: the cache's IndexerKFormat or vLLM's scale_fmt (both scale rules read the same).
+        clean_logits: write -inf everywhere a key is not visible (True), or leave the columns at
+            and past each request's longest row end unwritten (False, DeepGEMM's clean_logits=False:
+            the top-k reads only [0, row_end)).
+        out: optional [B * next_n, max_model_len] fp32 with a contiguous last dim.
+        block_n: keys per tile (a power of two >= 16).
+
+    Returns logits [B * next_n, max_model_len] fp32 (see kernels/reference/indexer.py).
+    """
+    fmt = indexer_k_format_of(fmt)
+    check_tensor("q", q, dtype=(torch.float8_e4m3fn, torch.uint8), ndim=4, last_dim_contiguous=True)
+    B, N, H, D = q.shape
+    if D != fmt.head_dim:
+        fail("q.shape[-1]", fmt.head_dim, D)
+    if fmt.scales_per_token != 1:
+        raise NotImplementedError(f"paged_mqa_logits: {fmt} has {fmt.scales_per_token} scales a key; "
+                                  "the logits take one (quant_block_size == head_dim)")
+    if N < 1 or H < 1:
+        fail("q.shape", "(B, next_n >= 1, H >= 1, 128)", tuple(q.shape))
+    check_tensor("weights", weights, dtype=torch.float32, shape=(B * N, H), last_dim_contiguous=True)
+    fmt.check_cache(cache)
+    check_tensor("context_lens", context_lens, dtype=torch.int32)
+    per_row = context_lens.dim() == 2 and context_lens.shape[1] == N and N > 1
+    if not (per_row or tuple(context_lens.shape) in ((B,), (B, 1))):
+        fail("context_lens.shape", f"({B},), ({B}, 1) or ({B}, {N})", tuple(context_lens.shape))
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
+    if block_table.shape[0] != B:
+        fail("block_table.shape[0]", B, block_table.shape[0])
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 0:
+        fail("max_model_len", "an int >= 0", repr(max_model_len))
+    if block_n < 16 or block_n & (block_n - 1):
+        fail("block_n", "a power of two >= 16", block_n)
+    if out is None:
+        out = torch.empty(B * N, max_model_len, dtype=torch.float32, device=q.device)
+    else:
+        check_tensor("out", out, dtype=torch.float32, shape=(B * N, max_model_len), last_dim_contiguous=True)
+    check_same_device(q=q, weights=weights, cache=cache, context_lens=context_lens,
+                      block_table=block_table, out=out)
+    if B == 0 or max_model_len == 0:
+        return out
+    arch = arch_of(q.device)
+    tiles = triton.cdiv(max_model_len, block_n)
+    splits = _splits(q.device, B, tiles)
+    ctx_b = context_lens.stride(0)
+    ctx_n = context_lens.stride(1) if per_row else 0
+    HP = triton.next_power_of_2(H)
+    NP = max(triton.next_power_of_2(N), 16 // min(HP, 16))  # a dot needs >= 16 rows
+    paged_mqa_logits_kernel[(B, splits)](
+        q.view(torch.uint8), weights, cache, cache.view(torch.float32), context_lens, block_table, out,
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), cache.stride(0), ctx_b, ctx_n,
+        block_table.stride(0), out.stride(0),
+        N, H, cache.shape[1], cache.shape[0], block_table.shape[1], max_model_len, splits,
+        NP=NP, HP=HP, D=D, BLOCK_N=block_n, PER_ROW_CTX=per_row, CLEAN=clean_logits,
+        FP8_DOT=fp8_dot(arch), E4M3=arch.e4m3, num_warps=4,
+    )
+    return out
