@@ -3,16 +3,27 @@
     from openmla.mla.flashmla_compat import get_mla_metadata, flash_mla_with_kvcache, flash_mla_sparse_fwd
 
 Same argument names, order, defaults, shapes and conventions as FlashMLA's
-`flash_mla/flash_mla_interface.py` (the version with `attn_sink` and `topk_length`) for the sparse
-paths, computed by `kernels.sparse_mla_decode` and `kernels.sparse_mla_prefill`. Differences:
+`flash_mla/flash_mla_interface.py` (9241ae3: `attn_sink`, `topk_length`, the extra cache) for the
+sparse paths, computed by `kernels.sparse_mla_decode` and `kernels.sparse_mla_prefill`. Both
+models FlashMLA serves:
 
-* any h_q in 1..128 (decode) / >= 1 (prefill) and any topk >= 1; FlashMLA needs h_q 64 or 128
-  and topk a multiple of 64/128.
+* DeepSeek-V3.2: d_qk 576, the 656-byte fp8_ds_mla cache `[num_blocks, block_size, 1, 656]`.
+* DeepSeek-V4 (FlashMLA's "MODEL1"): d_qk 512, the 584-byte MODEL1 cache `[num_blocks,
+  block_size, 1, 584]` (a view over blocks of block_size * 584 bytes, quant/model1_format.py);
+  V is the whole 512-wide token. In decode, `extra_k_cache` (same format, its own block size),
+  `extra_indices_in_kvcache` and `extra_topk_length` add a second list of tokens to the same
+  softmax (V4's compressed cache beside its sliding-window cache); FlashMLA allows it for V3.2's
+  format too, and so does this module. The sink applies once, to the joined result.
+
+Differences:
+
+* any h_q in 1..128 (decode) / >= 1 (prefill) and any topk / extra_topk >= 1; FlashMLA needs h_q
+  64 or 128 and topk a multiple of 64/128. Any block size for both caches.
 * a bf16 cache `[num_blocks, block_size, 1, 576]` with `is_fp8_kvcache=False` is accepted on the
-  sparse decode path too (FlashMLA's sparse decode reads only the 656-byte fp8 format).
+  sparse decode path too (FlashMLA's sparse decode reads only fp8 formats); d_qk 512 has no bf16
+  cache (NotImplementedError).
 * refused with NotImplementedError: the dense (non-sparse) decode path (`indices=None`),
-  `extra_k_cache` / `extra_indices_in_kvcache` / `extra_topk_length`, `causal=True` with indices,
-  and `indexer_topk > 0` in prefill.
+  `causal=True` with indices, and `indexer_topk > 0` in prefill.
 * bad shapes and dtypes raise ValueError naming the argument (FlashMLA asserts). A bool
   `softmax_scale` is refused: FlashMLA's README example passes `is_causal, is_fp8_kvcache, indices`
   positionally where the signature has `softmax_scale, causal, is_fp8_kvcache`; pass those three
@@ -36,10 +47,15 @@ from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from openmla.quant.validate import check_scale, check_tensor, fail
 from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA
+from openmla.quant.model1_format import FP8_MODEL1
 
-D_QK = FP8_DS_MLA.head_dim  # 576
-D_V = FP8_DS_MLA.latent_dim  # 512
-_FP8_BYTES = FP8_DS_MLA.row_width  # 656
+D_QK = FP8_DS_MLA.head_dim  # 576 (V3.2)
+D_QK_V4 = FP8_MODEL1.head_dim  # 512 (V4 / MODEL1)
+D_V = FP8_DS_MLA.latent_dim  # 512, both models
+# is_fp8_kvcache=True: the cache's last dim names the format (656 V3.2, 584 MODEL1), as FlashMLA's
+# sparse_decode.h derives bytes_per_token from d_qk
+_FP8_FORMATS = {FP8_DS_MLA.row_width: FP8_DS_MLA, FP8_MODEL1.row_width: FP8_MODEL1}
+_FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.int8)  # FlashMLA's accepted cache dtypes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +69,8 @@ class SchedConfig:
     causal: bool
     is_fp8_kvcache: bool
     topk: Optional[int]
+    extra_page_block_size: Optional[int] = None
+    extra_topk: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -138,45 +156,52 @@ def flash_mla_with_kvcache(
     topk_length: Optional[torch.Tensor] = None,
     extra_topk_length: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FlashMLA's sparse decode: attention of q over the cache rows named by `indices`.
+    """FlashMLA's sparse decode: attention of q over the cache rows named by `indices` (and by
+    `extra_indices_in_kvcache` in `extra_k_cache`), one softmax over both lists.
 
     Args:
-        q: [b, s_q, h_q, 576] bf16 (absorbed query: latent 512 | rope 64), h_q any 1..128, last
-            dim contiguous.
-        k_cache: [num_blocks, block_size, 1, 656] uint8 or float8_e4m3fn (fp8_ds_mla bytes, as
-            FlashMLA's tests/quant.py makes it) with is_fp8_kvcache=True, or [num_blocks,
-            block_size, 1, 576] bf16 with is_fp8_kvcache=False (an openmla extension). A strided
-            view is fine (block stride >= block_size rows, rows contiguous).
+        q: [b, s_q, h_q, d_qk] bf16, h_q any 1..128, last dim contiguous. d_qk 576 (V3.2: absorbed
+            latent 512 | rope 64) or 512 (V4 / MODEL1: nope 448 | rope 64); it must be the
+            cache format's.
+        k_cache: with is_fp8_kvcache=True, uint8, float8_e4m3fn or int8 (the bytes, as FlashMLA's
+            tests/quant.py makes them): [num_blocks, block_size, 1, 656] fp8_ds_mla (V3.2) or
+            [num_blocks, block_size, 1, 584] MODEL1 (V4; rows are a view over blocks of
+            block_size * 584 bytes, stride(1) must be 584). With is_fp8_kvcache=False
+            [num_blocks, block_size, 1, 576] bf16 (an openmla extension, V3.2 only). A strided
+            view is fine (block stride >= the block's bytes, rows contiguous).
         block_table, cache_seqlens: unused on the sparse path (slots are global), may be None.
         head_dim_v: must be 512.
-        tile_scheduler_metadata: from get_mla_metadata; reusable while shapes stay the same.
+        tile_scheduler_metadata: from get_mla_metadata; reusable while shapes stay the same
+            (incl. the extra cache's block size and extra_topk).
         num_splits: must be None (the second element get_mla_metadata returns).
-        softmax_scale: float applied to q.k; None means 576 ** -0.5 (FlashMLA's 1/sqrt(head_dim)).
+        softmax_scale: float applied to q.k; None means d_qk ** -0.5 (FlashMLA's
+            1/sqrt(head_dim)).
         causal: must be False with indices (as FlashMLA).
-        is_fp8_kvcache: True for the 656-byte fp8_ds_mla cache, False for a bf16 cache.
+        is_fp8_kvcache: True for the fp8 formats, False for a bf16 cache.
         indices: [b, s_q, topk] int32 global slots block * block_size + offset, any topk >= 1,
             last dim contiguous; invalid = < 0 or >= num_blocks * block_size (skipped, never read).
-        attn_sink: [h_q] fp32 or None: out *= exp(lse) / (exp(lse) + exp(attn_sink)); lse
-            unchanged; +inf gives out = 0.
+        attn_sink: [h_q] fp32 or None: out *= exp(lse) / (exp(lse) + exp(attn_sink)) with lse over
+            both lists; lse unchanged; +inf gives out = 0.
+        extra_k_cache: None or a second cache in k_cache's format, its own num_blocks and
+            block_size (V4: the compressed cache beside the sliding-window one).
+        extra_indices_in_kvcache: [b, s_q, extra_topk] int32 slots of extra_k_cache; required with
+            it, refused without it (invalid as for indices).
         topk_length: [b] int32 or None: for every query of batch i only indices[i, :, :topk_length[i]]
             count.
-        extra_k_cache, extra_indices_in_kvcache, extra_topk_length: not supported (must be None).
+        extra_topk_length: [b] int32 or None (only with extra_k_cache): limits
+            extra_indices_in_kvcache as topk_length limits indices.
 
     Returns:
         out: [b, s_q, h_q, 512] bf16.
         lse: [b, h_q, s_q] fp32 (note the transpose), natural log of the softmax denominator of
-            softmax_scale * q.k; +inf for a query with no valid index (whose out is 0).
+            softmax_scale * q.k over both lists; +inf for a query with no valid index (whose out
+            is 0).
     """
     # first: a bool here is the README's positional (is_causal, is_fp8_kvcache, indices) mix-up
     if isinstance(softmax_scale, bool):
         fail("softmax_scale", "a finite float or None (FlashMLA's README example passes is_causal, "
              "is_fp8_kvcache, indices positionally where the signature has softmax_scale, causal, "
              "is_fp8_kvcache: pass them by keyword)", repr(softmax_scale))
-    scale = (D_QK ** -0.5 if softmax_scale is None
-             else check_scale("softmax_scale", softmax_scale))
-    if extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None:
-        raise NotImplementedError("flash_mla_with_kvcache: extra_k_cache / extra_indices_in_kvcache / "
-                                  "extra_topk_length are not supported by openmla")
     if indices is None:
         raise NotImplementedError("flash_mla_with_kvcache: the dense (non-sparse) decode path "
                                   "(indices=None) is not supported by openmla; pass indices")
@@ -190,36 +215,85 @@ def flash_mla_with_kvcache(
         fail("num_splits", "None (the second element get_mla_metadata returns)", type(num_splits).__name__)
     if head_dim_v != D_V:
         fail("head_dim_v", D_V, head_dim_v)
-    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, None, D_QK), last_dim_contiguous=True)
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=4, last_dim_contiguous=True)
     b, s_q, h_q, _ = q.shape
     fp8 = bool(is_fp8_kvcache)
-    if fp8:
-        check_tensor("k_cache", k_cache, dtype=(torch.uint8, torch.float8_e4m3fn),
-                     shape=(None, None, 1, _FP8_BYTES))
-    else:
-        check_tensor("k_cache (is_fp8_kvcache=False)", k_cache, dtype=torch.bfloat16,
-                     shape=(None, None, 1, BF16_MLA.row_width))
+    if not fp8 and q.shape[-1] == D_QK_V4:
+        raise NotImplementedError("flash_mla_with_kvcache: d_qk 512 (MODEL1) with is_fp8_kvcache=False; "
+                                  "its cache is the 584-byte fp8 format (FlashMLA has no bf16 one either)")
+    fmt = _cache_format("k_cache", k_cache, fp8)
+    check_tensor("q", q, shape=(None, None, None, fmt.head_dim))
+    scale = (fmt.head_dim ** -0.5 if softmax_scale is None
+             else check_scale("softmax_scale", softmax_scale))
     check_tensor("indices", indices, dtype=torch.int32, shape=(b, s_q, None), last_dim_contiguous=True)
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(b,))
+    if extra_k_cache is None:
+        for name, t in (("extra_indices_in_kvcache", extra_indices_in_kvcache),
+                        ("extra_topk_length", extra_topk_length)):
+            if t is not None:
+                fail(name, "None without extra_k_cache (as FlashMLA)", type(t).__name__)
+    else:
+        if _cache_format("extra_k_cache", extra_k_cache, fp8) is not fmt:
+            fail("extra_k_cache.shape", f"(*, *, 1, {fmt.row_width}) (k_cache's format, {fmt.name})",
+                 tuple(extra_k_cache.shape))
+        if extra_indices_in_kvcache is None:
+            fail("extra_indices_in_kvcache", "a tensor with extra_k_cache (as FlashMLA)", None)
+        check_tensor("extra_indices_in_kvcache", extra_indices_in_kvcache, dtype=torch.int32,
+                     shape=(b, s_q, None), last_dim_contiguous=True)
+        if extra_topk_length is not None:
+            check_tensor("extra_topk_length", extra_topk_length, dtype=torch.int32, shape=(b,))
     _check_meta(tile_scheduler_metadata, SchedConfig(
         b=b, s_q=s_q, h_q=h_q, page_block_size=k_cache.shape[1], h_k=k_cache.shape[2],
-        causal=bool(causal), is_fp8_kvcache=fp8, topk=indices.shape[-1]))
+        causal=bool(causal), is_fp8_kvcache=fp8, topk=indices.shape[-1],
+        extra_page_block_size=None if extra_k_cache is None else extra_k_cache.shape[1],
+        extra_topk=None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1]))
 
-    cache = k_cache.select(2, 0)  # [num_blocks, block_size, row], strides kept
-    if cache.dtype == torch.float8_e4m3fn:
-        cache = cache.view(torch.uint8)  # same bytes; openmla's fp8_ds_mla cache dtype
-    lengths = None
-    if topk_length is not None:  # FlashMLA's length is per batch entry; openmla's per query token
-        lengths = topk_length.reshape(b, 1).expand(b, s_q).reshape(b * s_q).contiguous()
+    T = b * s_q
+    extra = {}
+    if extra_k_cache is not None:
+        extra = dict(extra_cache=_as_cache(extra_k_cache),
+                     # extra_topk named, not -1: with b * s_q == 0 a -1 could be any size
+                     extra_indices=extra_indices_in_kvcache.reshape(T, extra_indices_in_kvcache.shape[-1]),
+                     extra_topk_length=_per_token(extra_topk_length, s_q))
     out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
-    # topk named, not -1: with b * s_q == 0 a -1 could be any size
-    _, lse = sparse_mla_decode(q.reshape(b * s_q, h_q, D_QK), cache,
-                               indices.reshape(b * s_q, indices.shape[-1]),
-                               scale=scale, topk_length=lengths, attn_sink=attn_sink,
-                               out=out.view(b * s_q, h_q, D_V), fmt=FP8_DS_MLA if fp8 else BF16_MLA)
+    _, lse = sparse_mla_decode(q.reshape(T, h_q, fmt.head_dim), _as_cache(k_cache),
+                               indices.reshape(T, indices.shape[-1]), scale=scale,
+                               topk_length=_per_token(topk_length, s_q), attn_sink=attn_sink,
+                               out=out.view(T, h_q, D_V), fmt=fmt, **extra)
     lse = lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
     return out, lse.masked_fill_(lse == float("-inf"), float("inf"))
+
+
+def _cache_format(name: str, cache: torch.Tensor, fp8: bool):
+    """The sparse MLA format of a FlashMLA-shaped cache [num_blocks, block_size, 1, row]: with
+    is_fp8_kvcache the row width picks fp8_ds_mla (656) or MODEL1 (584), else bf16 (576)."""
+    if not fp8:
+        check_tensor(f"{name} (is_fp8_kvcache=False)", cache, dtype=torch.bfloat16,
+                     shape=(None, None, 1, BF16_MLA.row_width))
+        return BF16_MLA
+    check_tensor(name, cache, dtype=_FP8_DTYPES, ndim=4)
+    fmt = _FP8_FORMATS.get(cache.shape[-1])
+    if cache.shape[2] != 1 or fmt is None:
+        fail(f"{name}.shape", f"(*, *, 1, {FP8_DS_MLA.row_width}) (V3.2 fp8_ds_mla) or "
+             f"(*, *, 1, {FP8_MODEL1.row_width}) (MODEL1)", tuple(cache.shape))
+    fmt.check_cache(_as_cache(cache), name)  # strides (MODEL1: a block's bytes contiguous)
+    return fmt
+
+
+def _as_cache(k_cache: torch.Tensor) -> torch.Tensor:
+    """A FlashMLA cache as the op takes it: [num_blocks, block_size, row] (strides kept), fp8
+    bytes as uint8 (the same bytes)."""
+    cache = k_cache.select(2, 0)
+    return cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.int8) else cache
+
+
+def _per_token(lengths: Optional[torch.Tensor], s_q: int) -> Optional[torch.Tensor]:
+    """FlashMLA's lengths are per batch entry, openmla's per query token: [b] -> [b * s_q]."""
+    if lengths is None:
+        return None
+    b = lengths.shape[0]
+    return lengths.reshape(b, 1).expand(b, s_q).reshape(b * s_q).contiguous()
 
 
 def flash_mla_sparse_fwd(
@@ -235,9 +309,10 @@ def flash_mla_sparse_fwd(
     """FlashMLA's sparse prefill: each query token attends to its own top-k rows of kv.
 
     Args:
-        q: [s_q, h_q, 576] bf16, any h_q >= 1, last dim contiguous.
-        kv: [s_kv, 1, 576] bf16 (latent 512 | rope 64; the latent is also the value), rows
-            contiguous.
+        q: [s_q, h_q, d_qk] bf16, any h_q >= 1, last dim contiguous; d_qk is kv's.
+        kv: [s_kv, 1, d_qk] bf16, rows contiguous: d_qk 576 (V3.2: latent 512 | rope 64, the
+            latent is the value) or 512 (V4 / MODEL1: nope 448 | rope 64, the whole row is the
+            value).
         indices: [s_q, 1, topk] int32 rows of kv, any topk >= 1, last dim contiguous; invalid =
             < 0 or >= s_kv (skipped, never read).
         sm_scale: softmax scale (> 0) applied to q.k; required (FlashMLA has no default).
@@ -263,9 +338,11 @@ def flash_mla_sparse_fwd(
                                   "by openmla")
     if d_v != D_V:
         fail("d_v", D_V, d_v)
-    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, D_QK), last_dim_contiguous=True)
+    check_tensor("kv", kv, dtype=torch.bfloat16, ndim=3, last_dim_contiguous=True)
+    if kv.shape[1] != 1 or kv.shape[2] not in (D_QK, D_QK_V4):
+        fail("kv.shape", f"(*, 1, {D_QK}) (V3.2) or (*, 1, {D_QK_V4}) (V4 / MODEL1)", tuple(kv.shape))
+    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, kv.shape[2]), last_dim_contiguous=True)
     s_q = q.shape[0]
-    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, 1, D_QK), last_dim_contiguous=True)
     check_tensor("indices", indices, dtype=torch.int32, shape=(s_q, 1, None), last_dim_contiguous=True)
     out, lse, max_logits = sparse_mla_prefill(q, kv.select(1, 0), indices.select(1, 0),
                                               scale=scale,

@@ -17,7 +17,8 @@ from openmla.mla import flashmla_compat
 from openmla.mla.flashmla_compat import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 from openmla.kernels.reference import sparse_mla_decode_ref, sparse_mla_ref
 from openmla.quant import BF16_MLA, FP8_DS_MLA
-from tests.helpers import DEVICE, assert_close, invalid_indices, random_paged_cache, shuffled_block_table
+from tests.helpers import DEVICE, assert_close, invalid_indices, random_paged_cache
+from tests.helpers.flashmla import flashmla_slots
 
 INF = float("inf")
 
@@ -40,18 +41,7 @@ def make_decode(*, b, s_q, h_q, topk, num_blocks, block_size, fp8=True, fp8_dtyp
     gc = torch.Generator().manual_seed(seed if content_seed is None else content_seed)
     fmt = FP8_DS_MLA if fp8 else BF16_MLA
     cache, _ = random_paged_cache(num_blocks, block_size, fmt.row_width, fmt.cache_dtype)
-    blocks_per_req = num_blocks // b
-    table = shuffled_block_table(b, blocks_per_req, num_blocks, generator=g, device="cpu")
-    seqlen = blocks_per_req * block_size - 3
-    pos = torch.randint(0, seqlen, (b, s_q, topk), generator=g)
-    slots = (table.long().gather(1, (pos // block_size).view(b, -1)).view(b, s_q, topk) * block_size
-             + pos % block_size)
-    bad = torch.tensor(invalid_indices(num_blocks * block_size))
-    mask = torch.rand(b, s_q, topk, generator=g) < 0.25
-    slots[mask] = bad[torch.randint(0, len(bad), (int(mask.sum()),), generator=g)]
-    flat = slots.view(b * s_q, topk)
-    for i in empty:
-        flat[i] = bad[torch.arange(topk) % len(bad)]
+    slots, table, seqlen = flashmla_slots(b, s_q, topk, num_blocks, block_size, g, empty=empty)
     used = torch.unique(slots[(slots >= 0) & (slots < num_blocks * block_size)])
     rows = fmt.pack(torch.randn(len(used), 512, generator=gc) * 1.5, torch.randn(len(used), 64, generator=gc))
     cache[used // block_size, used % block_size] = rows.to(cache.device)
@@ -257,7 +247,12 @@ DECODE_BAD = [
     pytest.param("num_splits", lambda a: torch.ones(1), ValueError, "num_splits", id="num-splits-tensor"),
     pytest.param("tile_scheduler_metadata", lambda a: None, ValueError, "tile_scheduler_metadata", id="meta-none"),
     pytest.param("indices", lambda a: None, NotImplementedError, "dense", id="dense-path"),
-    pytest.param("extra_k_cache", lambda a: a["k_cache"], NotImplementedError, "extra_k_cache", id="extra-cache"),
+    pytest.param("extra_k_cache", lambda a: a["k_cache"], ValueError, "extra_indices_in_kvcache",
+                 id="extra-cache-without-indices"),
+    pytest.param("extra_indices_in_kvcache", lambda a: a["indices"], ValueError, "extra_indices_in_kvcache",
+                 id="extra-indices-without-cache"),
+    pytest.param("extra_topk_length", lambda a: torch.ones(1, dtype=torch.int32), ValueError,
+                 "extra_topk_length", id="extra-length-without-cache"),
     pytest.param("causal", lambda a: True, NotImplementedError, "causal", id="causal"),
 ]
 
