@@ -5,7 +5,8 @@ cp_gather_and_upconvert_fp8_kv_cache).
 Token p of request b lives in cache slot block_table[b, p // block_size] * block_size +
 p % block_size and goes to dst[starts[b] + p] as 576 bf16: the latent dequantized
 (fp32 fp8 * scale, rounded to nearest even to bf16; equal to `FP8_DS_MLA.unpack(...).to(bf16)`)
-and the rope bits copied.
+and the rope bits copied. DeepSeek-V4 (FP8_MODEL1) caches go to dst rows of 512 the same way,
+through their own kernel (quant/model1_gather.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,25 @@ _BLOCK_P = 16
 # Grid cap: enough programs to fill any current GPU several times over; a program strides over its
 # request, so a smaller grid is still complete, only less parallel.
 _MAX_PROGRAMS = 8192
+
+
+@triton.jit
+def gather_positions(p0, block_table_ptr, i_b, stride_bt_req, stride_bt_blk, seq_len, start,
+                     block_size, num_blocks, max_blocks, num_dst_rows, BLOCK_P: tl.constexpr):
+    """Positions p0 .. p0 + BLOCK_P of request i_b -> (physical block [BLOCK_P] int64, row in
+    its block, m_read: the block exists so the cache may be read, dst row, m_write: the dst row
+    is in range). A position whose block is missing (entry < 0 or >= num_blocks, or past the
+    table's end) is never read; its dst row gets zeros."""
+    o_p = p0 + tl.arange(0, BLOCK_P)
+    m_p = o_p < seq_len
+    i_blk = o_p // block_size
+    m_in_table = m_p & (i_blk < max_blocks)
+    b_phys = tl.load(block_table_ptr + i_b * stride_bt_req + i_blk * stride_bt_blk,
+                     mask=m_in_table, other=-1).to(tl.int64)
+    m_read = m_in_table & (b_phys >= 0) & (b_phys < num_blocks)
+    o_row = start + o_p
+    m_write = m_p & (o_row >= 0) & (o_row < num_dst_rows)
+    return b_phys, o_p % block_size, m_read, o_row, m_write
 
 
 @triton.jit
@@ -49,19 +69,10 @@ def gather_upconvert_kernel(
     # (no host-side max of seq_lens needed for correctness).
     p0 = i_s * BLOCK_P
     while p0 < seq_len:
-        o_p = p0 + tl.arange(0, BLOCK_P)
-        m_p = o_p < seq_len
-        i_blk = o_p // block_size
-        m_in_table = m_p & (i_blk < max_blocks)
-        b_phys = tl.load(block_table_ptr + i_b * stride_bt_req + i_blk * stride_bt_blk,
-                         mask=m_in_table, other=-1).to(tl.int64)
-        # A position whose block is missing (entry < 0 or >= num_blocks, or past the table's end)
-        # is never read; its dst row gets zeros.
-        m_read = m_in_table & (b_phys >= 0) & (b_phys < num_blocks)
-        o_row = start + o_p
-        m_write = m_p & (o_row >= 0) & (o_row < num_dst_rows)
-
-        p_src = cache_ptr + b_phys * stride_cache_block + (o_p % block_size) * stride_cache_row
+        b_phys, o_in_blk, m_read, o_row, m_write = gather_positions(
+            p0, block_table_ptr, i_b, stride_bt_req, stride_bt_blk, seq_len, start,
+            block_size, num_blocks, max_blocks, num_dst_rows, BLOCK_P)
+        p_src = cache_ptr + b_phys * stride_cache_block + o_in_blk * stride_cache_row
         p_lat = p_src[:, None, None] + (o_tile[None, :, None] * TILE + o_e[None, None, :])
         b_q = tl.load(p_lat, mask=m_read[:, None, None], other=0)
         b_lat = e4m3_to_f32(b_q, E4M3)
@@ -86,8 +97,11 @@ def gather_upconvert(cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
 
     Args:
         cache: [num_blocks, block_size, 656] uint8, fp8_ds_mla (any scale rule: reading does not
-            depend on it). Strided views are fine; rows contiguous.
-        dst: [N, 576] bf16 workspace; last dim contiguous, any row stride. Only rows
+            depend on it), or a DeepSeek-V4 FP8_MODEL1 cache ([num_blocks, block_size, (1,) 584],
+            laid out per block; its kernel is quant/model1_gather.py). Strided views are fine;
+            rows contiguous.
+        dst: [N, head_dim] bf16 workspace (576; 512 for FP8_MODEL1: nope 448 | rope 64); last dim
+            contiguous, any row stride. Only rows
             starts[b] + p for 0 <= p < seq_lens[b] are written; every other row is untouched.
         block_table: [B, M] int32, physical block of each request's logical block.
         seq_lens: [B] int32, tokens to gather per request (<= 0: none).
@@ -98,14 +112,18 @@ def gather_upconvert(cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
         fmt: the cache's format (an fp8_ds_mla descriptor, either scale rule), default
             `mla_format_of(cache)`.
 
-    Token p of request b: latent = bf16(fp32(fp8) * scale) (round to nearest even), rope bits
-    verbatim. Bad entries never cause an out-of-bounds access:
+    Token p of request b: latent (MODEL1: nope) = bf16(fp32(fp8) * scale) (round to nearest
+    even), rope bits verbatim. Bad entries never cause an out-of-bounds access:
       - a needed block_table entry < 0 or >= num_blocks, or p // block_size >= M: that dst row is
         written with zeros (deterministic, and visibly not data; the cache is not read);
       - a target row starts[b] + p outside [0, N): not written.
     """
-    check_tensor("cache", cache, ndim=3, last_dim_contiguous=True)
+    check_tensor("cache", cache, last_dim_contiguous=True)
     fmt = check_mla_format(cache, fmt)
+    if fmt.blocked:
+        fmt.check_cache(cache)
+    else:
+        check_tensor("cache", cache, ndim=3)
     if not fmt.quantized:
         raise NotImplementedError(
             f"gather_upconvert: cache format {fmt.name} ({cache.dtype}); only fp8_ds_mla (uint8) caches "
@@ -118,7 +136,8 @@ def gather_upconvert(cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 0):
         fail("max_seq_len", "None or a non-negative python int", repr(max_seq_len))
     check_same_device(cache=cache, dst=dst, block_table=block_table, seq_lens=seq_lens, starts=starts)
-    check_fp32_aligned_rows(cache)
+    if not fmt.blocked:
+        check_fp32_aligned_rows(cache)
 
     num_blocks, block_size = cache.shape[0], cache.shape[1]
     if num_reqs == 0 or dst.shape[0] == 0:
@@ -126,6 +145,10 @@ def gather_upconvert(cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
     hint = dst.shape[0] if max_seq_len is None else min(max_seq_len, dst.shape[0])
     splits = max(1, min(triton.cdiv(hint, _BLOCK_P), _MAX_PROGRAMS // num_reqs))
     grid = (num_reqs, splits)
+    if fmt.blocked:
+        from .model1_gather import launch_gather_model1  # imports this module's gather_positions
+        launch_gather_model1(cache, dst, block_table, seq_lens, starts, grid, fmt, _BLOCK_P)
+        return
     gather_upconvert_kernel[grid](
         cache, dst, block_table, seq_lens, starts,
         cache.stride(0), cache.stride(1), dst.stride(0), block_table.stride(0), block_table.stride(1),

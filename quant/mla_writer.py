@@ -39,6 +39,23 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def tile_scale(b_amax, POW2: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+    """fp32 tile abs-maxes -> the tiles' scales by the format's rule (module docstring): pow2
+    2^ceil(log2(max(amax / 448, floor))), else max(amax / 448, floor). NaN stays NaN."""
+    b_s = tl.math.div_rn(b_amax, FP8_MAX)
+    if POW2:
+        b_v = tl.maximum(b_s, SCALE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        b_e = tl.math.ceil(libdevice.log2(b_v))
+        m_finite = b_v < float("inf")  # false for +inf and NaN: 2**inf = inf, 2**NaN = NaN
+        b_e = tl.where(m_finite, b_e, 0.0).to(tl.int32)
+        b_pow = ((b_e + 127) << 23).to(tl.float32, bitcast=True)  # e <= 127 (amax <= FLT_MAX)
+        b_scale = tl.where(m_finite, b_pow, b_v)
+    else:
+        b_scale = tl.maximum(b_s, SCALE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    return b_scale
+
+
+@triton.jit
 def write_mla_cache_fp8_kernel(
     kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr,
     stride_kv_t, stride_pe_t, stride_cache_block, stride_cache_row,
@@ -55,17 +72,7 @@ def write_mla_cache_fp8_kernel(
 
     o_lat = tl.arange(0, NUM_TILES)[:, None] * TILE + tl.arange(0, TILE)[None, :]
     b_x = tl.load(kv_c_ptr + i_t * stride_kv_t + o_lat, mask=m_slot).to(tl.float32)
-    b_amax = tl.reduce(tl.abs(b_x), 1, _max_nan)  # [NUM_TILES]
-    b_s = tl.math.div_rn(b_amax, FP8_MAX)
-    if POW2:
-        b_v = tl.maximum(b_s, SCALE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
-        b_e = tl.math.ceil(libdevice.log2(b_v))
-        m_finite = b_v < float("inf")  # false for +inf and NaN: 2**inf = inf, 2**NaN = NaN
-        b_e = tl.where(m_finite, b_e, 0.0).to(tl.int32)
-        b_pow = ((b_e + 127) << 23).to(tl.float32, bitcast=True)  # e <= 127 (amax <= FLT_MAX)
-        b_scale = tl.where(m_finite, b_pow, b_v)
-    else:
-        b_scale = tl.maximum(b_s, SCALE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    b_scale = tile_scale(tl.reduce(tl.abs(b_x), 1, _max_nan), POW2, FP8_MAX, SCALE_FLOOR)
     b_q = f32_to_e4m3(tl.math.div_rn(b_x, b_scale[:, None]), E4M3)
     tl.store(p_row + o_lat, b_q, mask=m_slot)
 
@@ -103,6 +110,13 @@ def check_fp32_aligned_rows(cache: torch.Tensor, name: str = "cache") -> None:
         fail(name, "rows starting at 4-byte aligned addresses (data_ptr and strides multiples of 4; the "
              "fp32 scales sit at byte 512 of a row)",
              f"data_ptr % 4 = {cache.data_ptr() % 4}, strides {cache.stride()}")
+
+
+def check_slot_range(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """ValueError unless every slot < num_slots (a device sync: reads slot_mapping.max())."""
+    top = int(slot_mapping.max())
+    if top >= num_slots:
+        fail("slot_mapping", f"values < num_blocks * block_size = {num_slots} (or < 0 to skip)", f"max {top}")
 
 
 def _is_pow2(n: int) -> bool:
@@ -162,10 +176,7 @@ def write_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
     if num_tokens == 0:
         return
     if check_slots:
-        top = int(slot_mapping.max())  # device sync, documented above
-        if top >= num_slots:
-            fail("slot_mapping", f"values < num_blocks * block_size = {num_slots} (or < 0 to skip)",
-                 f"max {top}")
+        check_slot_range(slot_mapping, num_slots)
     if slot_mapping.stride(0) != 1:
         slot_mapping = slot_mapping.contiguous()
 

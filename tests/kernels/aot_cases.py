@@ -23,6 +23,8 @@ from openmla.quant.int8 import quantize_per_channel, quantize_per_token_head
 from openmla.quant.kv_cache import write_kv_cache
 from openmla.quant.mla_gather import gather_upconvert
 from openmla.quant.mla_writer import write_mla_cache
+from openmla.quant.model1_format import FP8_MODEL1
+from openmla.quant.model1_writer import write_model1_cache
 
 BF16, FP16, FP8, I8, I32, F32 = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8,
                                  torch.int32, torch.float32)
@@ -75,6 +77,11 @@ def cache_cases():
     dst = torch.zeros(256, 576, dtype=BF16)
     yield "gather_upconvert", lambda: gather_upconvert(cache, dst, _ints(2, 4), _ints(2, hi=64),
                                                        torch.tensor([0, 128], dtype=I32))
+    # DeepSeek-V4 (FlashMLA MODEL1): FlashMLA's [num_blocks, 64, 1, 584] view, blocks padded
+    v4 = FP8_MODEL1.empty_cache(4, 64)
+    yield "write_model1_cache", lambda: write_model1_cache(torch.zeros(8, 512, dtype=BF16), v4, _ints(8))
+    yield "gather_upconvert-fp8_model1", lambda: gather_upconvert(
+        v4, torch.zeros(256, 512, dtype=BF16), _ints(2, 4), _ints(2, hi=64), torch.tensor([0, 128], dtype=I32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +202,7 @@ def misc_cases():
 # set (`full=True`) runs every class on every target.
 CORE = (
     "decode-fp8_ds_mla-H16-T1-len-sink-strided", "prefill-H64-len-sink",
-    "write_mla_cache-fp8_ds_mla", "gather_upconvert",
+    "write_mla_cache-fp8_ds_mla", "gather_upconvert", "write_model1_cache", "gather_upconvert-fp8_model1",
     "paged-gqa4-d128-decode-bfloat16-fp8", "paged-gqa4-d128-prefill-bfloat16-same",
     "paged-gqa4-d128-decode-bfloat16-int8_qkv",
     "write_kv_cache-bfloat16-fp8", "write_kv_cache-float16-int8_qk",
