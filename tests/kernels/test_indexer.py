@@ -1,0 +1,315 @@
+"""kernels/indexer: paged decode logits, ragged prefill logits and the per-row top-k against the
+fp32 oracles of kernels/reference/indexer.py, on adversarial inputs (NaN-filled unused cache
+rows, invalid block-table entries of every kind, shuffled pages, zero lengths, rows shorter than
+k, ties, NaN and inf logits)."""
+import pytest
+import torch
+
+from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, topk_per_row
+from openmla.kernels.reference import (indexer_q_quant_ref, indexer_topk_ref, mqa_logits_ref,
+                                       paged_mqa_logits_ref, topk_per_row_ref)
+from openmla.quant.indexer_cache import INDEXER_K_FP8, write_indexer_k_cache
+from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, INT32_MIN, assert_close
+
+D = 128
+
+
+def _q_w(rows, H, seed):
+    """q [rows, H, 128] e4m3fn and folded weights [rows, H], as the model's Indexer makes them."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, H, D, generator=g)
+    q[:, :, 3] *= 20.0
+    w = torch.randn(rows, H, generator=g)
+    qf, wf = indexer_q_quant_ref(q.to(torch.bfloat16), w, softmax_scale=D ** -0.5, head_scale=H ** -0.5)
+    return qf.to(DEVICE), wf.to(DEVICE)
+
+
+def _paged_cache(num_blocks, block_size, seed, *, pad_bytes=8):
+    """A cache whose every byte is 0xFF (NaN fp8 values, NaN scales) until written, as a strided
+    view (block stride above the block's bytes); returns (cache, write(keys [n, 128], slots))."""
+    w = INDEXER_K_FP8.bytes_per_token
+    back = torch.full((num_blocks, block_size * w + pad_bytes), 0xFF, dtype=torch.uint8, device=DEVICE)
+    cache = back.as_strided((num_blocks, block_size, w), (block_size * w + pad_bytes, w, 1))
+    return cache
+
+
+def _paged_batch(ctx, next_n, H, block_size, seed, *, table_extra=2, bad_pages=()):
+    """Requests with context lengths `ctx` over shuffled pages of a NaN-filled cache holding only
+    their keys. bad_pages: (request, page index, value) block-table entries to corrupt."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(ctx)
+    pages = [-(-c // block_size) for c in ctx]
+    M = max(pages + [1]) + table_extra
+    num_blocks = sum(pages) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.full((B, M), -1, dtype=torch.int32)
+    cache = _paged_cache(num_blocks, block_size, seed)
+    used = 0
+    for b, (c, p) in enumerate(zip(ctx, pages)):
+        table[b, :p] = perm[used:used + p].to(torch.int32)
+        used += p
+        if c:
+            k = torch.randn(c, D, generator=g).to(torch.bfloat16).to(DEVICE)
+            pos = torch.arange(c)
+            slots = table[b, pos // block_size].long() * block_size + pos % block_size
+            write_indexer_k_cache(k, cache, slots.to(DEVICE))
+    for b, i, v in bad_pages:
+        table[b, i] = v
+    q, w = _q_w(B * next_n, H, seed + 1)
+    return q.view(B, next_n, H, D), w, cache, table.to(DEVICE)
+
+
+PAGED = [
+    pytest.param([37, 1, 64], 1, 64, 16, None, id="B3-n1-H64-bs16"),
+    pytest.param([5, 130], 2, 64, 64, None, id="B2-n2-H64-bs64"),
+    pytest.param([9, 3, 0, 20], 3, 16, 4, None, id="B4-n3-H16-bs4-len0"),
+    pytest.param([40, 7], 2, 64, 8, [[40, 38], [7, 7]], id="B2-n2-per-row-lens"),
+    pytest.param([50], 4, 32, 1, None, id="B1-n4-H32-bs1"),
+]
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "unclean"])
+@pytest.mark.parametrize("ctx,next_n,H,bs,per_row", PAGED)
+def test_paged_logits(ctx, next_n, H, bs, per_row, clean):
+    q, w, cache, table = _paged_batch(ctx, next_n, H, bs, seed=len(ctx) * 7 + bs)
+    cl = torch.tensor(per_row if per_row else ctx, dtype=torch.int32, device=DEVICE)
+    max_len = max(ctx) + 5
+    want = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=max_len)
+    got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=max_len, clean_logits=clean, block_n=16)
+    if clean:
+        assert_close("logits", got, want)
+    else:  # only what a row can see is promised
+        vis = torch.isfinite(want)
+        assert_close("visible logits", got[vis], want[vis])
+
+
+def test_paged_logits_invalid_pages_and_table_width():
+    """Block-table entries < 0, >= num_blocks, INT32_MIN/MAX: positions -inf, never read; a
+    context longer than the table's pages reads nothing past the table."""
+    ctx = [40, 33]
+    bad = [(0, 0, -1), (0, 2, INT32_MAX), (1, 1, INT32_MIN), (1, 3, 10 ** 6)]
+    q, w, cache, table = _paged_batch(ctx, 1, 64, 8, seed=3, table_extra=0, bad_pages=bad)
+    cl = torch.tensor([40, 45], dtype=torch.int32, device=DEVICE)  # request 1 past its table
+    want = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=64)
+    got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=64, block_n=16)
+    assert_close("logits", got, want)
+    assert torch.isinf(got[0, :8]).all() and torch.isinf(got[1, 8:16]).all() and torch.isinf(got[1, 40:]).all()
+    assert torch.isfinite(got[0, 8:16]).all()
+
+
+def test_paged_logits_faults_stay_visible():
+    """NaN in one visible key makes exactly that position NaN; a NaN q head makes the row NaN."""
+    q, w, cache, table = _paged_batch([30, 30], 1, 64, 16, seed=5)
+    vals, scales = INDEXER_K_FP8.read_ref(cache)
+    p = int(table[0, 1])
+    vals[p, 3, 17] = 0x7F  # key 19 of request 0: a NaN element
+    q = q.clone()
+    q.view(torch.uint8)[1, 0, 5, 0] = 0x7F  # request 1's q: NaN in one head
+    cl = torch.tensor([30, 30], dtype=torch.int32, device=DEVICE)
+    want = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=32)
+    got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=32, block_n=16)
+    assert_close("logits", got, want)
+    assert torch.isnan(got[0]).nonzero().flatten().tolist() == [19]
+    assert torch.isnan(got[1, :30]).all() and torch.isinf(got[1, 30:]).all()
+
+
+RAGGED = [  # (ks, ke, S)
+    pytest.param([0, 0, 0, 5, 5, 5, 5], [1, 2, 3, 6, 7, 8, 9], 9, id="causal-2req"),
+    pytest.param([0, 3, 10, 140, 7, 20, -5], [40, 3, 100, 150, 2, 400, 6], 150, id="irregular-empty-clip"),
+    pytest.param([0] * 5, [70] * 5, 70, id="full-rows"),
+]
+
+
+@pytest.mark.parametrize("H", [64, 8])
+@pytest.mark.parametrize("ks,ke,S", RAGGED)
+def test_ragged_logits(ks, ke, S, H):
+    T = len(ks)
+    q, w = _q_w(T, H, seed=S + H)
+    g = torch.Generator().manual_seed(S)
+    k_vals, k_sc = INDEXER_K_FP8.pack(torch.randn(S, D, generator=g).to(DEVICE))
+    ks_t = torch.tensor(ks, dtype=torch.int32, device=DEVICE)
+    ke_t = torch.tensor(ke, dtype=torch.int32, device=DEVICE)
+    # keys no row sees hold NaN: they must never reach a logit
+    seen = torch.zeros(S, dtype=torch.bool)
+    for a, e in zip(ks, ke):
+        seen[max(a, 0):max(min(e, S), 0)] = True
+    k_vals[~seen.to(DEVICE)] = 0x7F
+    k_sc[~seen.to(DEVICE)] = float("nan")
+    k8 = k_vals.view(torch.float8_e4m3fn)
+    want = mqa_logits_ref(q, w, k8, k_sc[:, 0], ks_t, ke_t)
+    got = mqa_logits(q, w, k8, k_sc[:, 0].contiguous(), ks_t, ke_t, block_n=32)
+    assert_close("logits", got, want)
+    got_u = mqa_logits(q, w, k8, k_sc[:, 0].contiguous(), ks_t, ke_t, clean_logits=False, block_m=4, block_n=16)
+    vis = torch.isfinite(want)
+    assert_close("visible logits", got_u[vis], want[vis])
+
+
+def _check_topk(got, logits, ends, k, starts=None):
+    """got equals the oracle up to ties: same length, -1 padding, distinct in-range columns,
+    and the same multiset of logits (NaN counted as NaN)."""
+    want = topk_per_row_ref(logits, ends, k, starts=starts)
+    R, L = logits.shape
+    assert got.shape == (R, k) and got.dtype == torch.int32
+    st = [0] * R if starts is None else starts.tolist()
+    for r in range(R):
+        g, w_ = got[r].tolist(), want[r].tolist()
+        n_valid = sum(i >= 0 for i in w_)
+        assert all(i >= 0 for i in g[:n_valid]) and all(i == -1 for i in g[n_valid:]), (r, g)
+        gs = g[:n_valid]
+        assert len(set(gs)) == n_valid, (r, "duplicates")
+        a = max(0, min(st[r], L))
+        e = max(a, min(int(ends[r]), L))
+        assert all(0 <= i < e - a for i in gs), (r, gs)
+        if e - a <= k:
+            assert gs == list(range(e - a)), r
+            continue
+        # values compared as numbers (-0.0 == 0.0 is a tie), NaN as NaN
+        vg = sorted((v != v, 0.0 if v != v else v) for v in logits[r, [a + i for i in gs]].tolist())
+        vw = sorted((v != v, 0.0 if v != v else v) for v in logits[r, [a + i for i in w_[:n_valid]]].tolist())
+        assert vg == vw, (r, "selected values differ")
+
+
+def _topk_logits(R, L, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(R, 5), L, generator=g)
+    x[1] = torch.randint(0, 5, (L,), generator=g).float()  # heavy ties
+    x[2, 3], x[2, 11], x[2, 12], x[2, 40] = float("nan"), float("inf"), float("-inf"), -float("nan")
+    x[3] = float("-inf")  # a visible row of -inf: still real keys
+    x[4, ::2] = -0.0
+    x[4, 1::2] = 0.0
+    return x[:R].contiguous().to(DEVICE)
+
+
+@pytest.mark.parametrize("k", [1, 7, 64, 300, 2048])
+def test_topk_per_row(k):
+    x = _topk_logits(8, 2500, seed=k)
+    starts = torch.tensor([0, 5, 0, 100, 7, 2400, 0, 3], dtype=torch.int32, device=DEVICE)
+    ends = torch.tensor([2500, 2400, 1000, 120, 2500, 2500, 0, 2], dtype=torch.int32, device=DEVICE)
+    got = topk_per_row(x, ends, k, starts=starts, block=512)
+    _check_topk(got, x, ends, k, starts)
+
+
+def test_topk_rows_shorter_longer_equal_to_k():
+    x = _topk_logits(6, 64, seed=1)
+    ends = torch.tensor([16, 15, 17, 0, 64, 1], dtype=torch.int32, device=DEVICE)
+    got = topk_per_row(x, ends, 16, block=16)
+    _check_topk(got, x, ends, 16)
+    assert got[3].eq(-1).all() and got[5].tolist() == [0] + [-1] * 15
+
+
+def test_topk_out_buffer_and_ends_clipped():
+    x = _topk_logits(4, 100, seed=2)
+    buf = torch.full((4, 40), 99, dtype=torch.int32, device=DEVICE)
+    ends = torch.tensor([INT32_MAX, 100, -5, 50], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([INT32_MIN, 10, 0, 60], dtype=torch.int32, device=DEVICE)
+    out = topk_per_row(x, ends, 30, starts=starts, out=buf[:, 5:35], block=32)
+    assert out.data_ptr() == buf[:, 5:35].data_ptr()
+    assert buf[:, :5].eq(99).all() and buf[:, 35:].eq(99).all()
+    _check_topk(out, x, ends, 30, starts)
+
+
+@pytest.mark.parametrize("next_n,per_row", [(1, False), (2, False), (3, True)])
+def test_decode_topk(next_n, per_row):
+    B = 3
+    x = _topk_logits(B * next_n, 300, seed=next_n)
+    if per_row:
+        cl = torch.tensor([[290, 291, 292], [2, 3, 4], [0, 1, 300]], dtype=torch.int32, device=DEVICE)
+        ends = cl.reshape(-1)
+    else:
+        cl = torch.tensor([300, 3, 40], dtype=torch.int32, device=DEVICE)
+        j = torch.arange(next_n, device=DEVICE)
+        ends = (cl[:, None] - next_n + 1 + j[None, :]).reshape(-1).clamp_min(0).to(torch.int32)
+    got = decode_topk(x, cl, next_n, 20, block=64)
+    _check_topk(got, x, ends, 20)
+    assert torch.equal(indexer_topk_ref(x, cl, next_n, 20) >= 0, got >= 0)
+
+
+def test_decode_step_chain():
+    """Writer -> paged logits -> decode top-k equals the oracle chain (sets up to ties)."""
+    q, w, cache, table = _paged_batch([70, 20, 130], 2, 64, 16, seed=11)
+    cl = torch.tensor([70, 20, 130], dtype=torch.int32, device=DEVICE)
+    logits = paged_mqa_logits(q, w, cache, cl, table, max_model_len=160, clean_logits=False)
+    got = decode_topk(logits, cl, 2, 32)
+    want_logits = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=160)
+    ends = (cl[:, None] - 1 + torch.arange(2, device=DEVICE)[None, :]).reshape(-1).to(torch.int32)
+    _check_topk(got, want_logits, ends, 32)
+
+
+@pytest.mark.parametrize("bad", ["q_dtype", "q_dim", "weights_shape", "ctx_shape", "table_dtype",
+                                 "max_len", "cache_width"])
+def test_paged_bad_input(bad):
+    q, w, cache, table = _paged_batch([10, 5], 1, 64, 4, seed=1)
+    cl = torch.tensor([10, 5], dtype=torch.int32, device=DEVICE)
+    kw = dict(max_model_len=16)
+    name = {"q_dtype": "q", "q_dim": "q", "weights_shape": "weights", "ctx_shape": "context_lens",
+            "table_dtype": "block_table", "max_len": "max_model_len", "cache_width": "cache"}[bad]
+    if bad == "q_dtype":
+        q = q.float()
+    elif bad == "q_dim":
+        q = torch.zeros(2, 1, 64, 64, dtype=torch.uint8, device=DEVICE)
+    elif bad == "weights_shape":
+        w = w[:1]
+    elif bad == "ctx_shape":
+        cl = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
+    elif bad == "table_dtype":
+        table = table.long()
+    elif bad == "max_len":
+        kw["max_model_len"] = -1
+    elif bad == "cache_width":
+        cache = torch.zeros(4, 4, 128, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match=name):
+        paged_mqa_logits(q, w, cache, cl, table, **kw)
+
+
+def test_ragged_and_topk_bad_input():
+    q, w = _q_w(3, 64, seed=0)
+    k = torch.zeros(10, D, dtype=torch.uint8, device=DEVICE)
+    sc = torch.ones(10, device=DEVICE)
+    ks = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="ke"):
+        mqa_logits(q, w, k, sc, ks, ks[:2])
+    with pytest.raises(ValueError, match="k_scale"):
+        mqa_logits(q, w, k, sc[:9], ks, ks)
+    x = torch.zeros(3, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="k"):
+        topk_per_row(x, ks, 0)
+    with pytest.raises(ValueError, match="ends"):
+        topk_per_row(x, ks.long(), 4)
+    with pytest.raises(ValueError, match="next_n"):
+        decode_topk(x, ks, 2, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU sizes: DeepSeek-V3.2's shapes (H 64, topk 2048, page 64), long contexts
+# ---------------------------------------------------------------------------------------------
+@GPU_ONLY
+@pytest.mark.parametrize("B,ctx,next_n", [(1, 4096, 1), (8, 16384, 1), (4, 65536, 2), (64, 8192, 1)])
+def test_paged_logits_topk_gpu(B, ctx, next_n):
+    g = torch.Generator().manual_seed(B)
+    lens = torch.randint(ctx // 2, ctx + 1, (B,), generator=g).tolist()
+    q, w, cache, table = _paged_batch(lens, next_n, 64, 64, seed=B)
+    cl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    want = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=ctx)
+    got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=ctx)
+    assert_close("logits", got, want)
+    idx = decode_topk(got, cl, next_n, 2048)
+    ends = (cl[:, None] - next_n + 1 + torch.arange(next_n, device=DEVICE)[None, :]).reshape(-1).int()
+    _check_topk(idx.cpu(), got.cpu(), ends.cpu(), 2048)
+
+
+@GPU_ONLY
+def test_ragged_logits_topk_gpu():
+    lens = [3000, 5000]
+    T = sum(lens)
+    ks = torch.cat([torch.full((n,), s, dtype=torch.int32) for n, s in zip(lens, [0, lens[0]])])
+    ke = torch.cat([torch.arange(1, n + 1, dtype=torch.int32) + s for n, s in zip(lens, [0, lens[0]])])
+    q, w = _q_w(T, 64, seed=2)
+    k_vals, k_sc = INDEXER_K_FP8.pack(torch.randn(T, D, device=DEVICE))
+    k8 = k_vals.view(torch.float8_e4m3fn)
+    ks, ke = ks.to(DEVICE), ke.to(DEVICE)
+    want = mqa_logits_ref(q, w, k8, k_sc[:, 0], ks, ke)
+    got = mqa_logits(q, w, k8, k_sc[:, 0].contiguous(), ks, ke)
+    assert_close("logits", got, want)
+    idx = topk_per_row(got, ke, 2048, starts=ks)
+    sub = torch.arange(0, T, 97)
+    _check_topk(idx[sub].cpu(), got[sub].cpu(), ke[sub].cpu(), 2048, ks[sub].cpu())
