@@ -1,0 +1,309 @@
+"""sparse_mla_decode over MODEL1 (DeepSeek-V4) caches, with and without an extra cache, against
+kernels.reference.sparse_mla_decode_ref (fed the same cache bytes, which the oracle unpacks:
+format error is not mistaken for kernel error).
+
+Every cache here starts as 0xFF in every byte (NaN nope, NaN rope, NaN ue8m0 scale, the pad byte
+and the padding between blocks), blocks lie further apart than FlashMLA's padding, and only the
+slots a valid index selects are written. Index lists mix in every kind of invalid index; the
+per-tile magnitudes of the keys vary (so the tile scales differ within a block); the softmax
+scale is FlashMLA's d_qk ** -0.55. Tolerances: out within "sparse_decode_model1" (FlashMLA's
+MODEL1 bounds, its cosine bound included), lse within "lse" (stricter than FlashMLA's).
+"""
+import pytest
+import torch
+
+from openmla.kernels.reference import sparse_mla_decode_ref
+from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+from openmla.kernels.sparse_mla_decode.op import _launch_model1
+from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_MODEL1
+from tests.helpers import DEVICE, GPU_ONLY, assert_close, invalid_indices, random_paged_cache
+
+SCALE = 512 ** -0.55
+NEG_INF = float("-inf")
+
+
+def _gpu(*args, id):
+    return pytest.param(*args, id=id, marks=GPU_ONLY)
+
+
+def model1_cache(num_blocks, block_size, slots, g):
+    """A MODEL1 cache, all bytes 0xFF, whose `slots` hold packed random tokens; blocks are 64
+    bytes further apart than FlashMLA's padded stride. Keys: N(0, 1) times a power of two in
+    [2^-4, 2^1] per (token, tile), so tile scales differ 32-fold within a block. (Wider ranges
+    with a peaked softmax make outputs that cancel ~100-fold from terms ~10: any kernel with a
+    16-bit P then misses the absolute 1e-3, FlashMLA's bf16 P four times more than this one.)"""
+    stride = FP8_MODEL1.padded_block_bytes(block_size) + 64
+    cache = FP8_MODEL1.empty_cache(num_blocks, block_size, block_stride=stride, device=DEVICE)
+    cache.as_strided((num_blocks, stride), (stride, 1)).fill_(0xFF)
+    k = torch.randn(num_blocks, block_size, 512, generator=g)
+    mag = 2.0 ** torch.randint(-4, 2, (num_blocks, block_size, 8), generator=g).float()
+    k = (k.view(num_blocks, block_size, 8, 64) * mag[..., None]).view(num_blocks, block_size, 512)
+    full = FP8_MODEL1.block_view(FP8_MODEL1.pack(k.bfloat16(), block_stride=stride).to(DEVICE))
+    dst = FP8_MODEL1.block_view(cache)
+    for s in torch.unique(slots).tolist():
+        b, r = divmod(s, block_size)
+        rec = slice(FP8_MODEL1.record_offset(r), FP8_MODEL1.record_offset(r + 1))
+        sc = FP8_MODEL1.token_scale_offset(block_size, r)
+        dst[b, rec] = full[b, rec]
+        dst[b, sc:sc + FP8_MODEL1.num_tiles] = full[b, sc:sc + FP8_MODEL1.num_tiles]
+    return cache
+
+
+def mla_cache(fmt, num_blocks, block_size, slots, g):
+    """A fp8_ds_mla or bf16 cache (strided view, unused rows NaN) whose `slots` are packed."""
+    cache, _ = random_paged_cache(num_blocks, block_size, fmt.row_width, fmt.cache_dtype)
+    used = torch.unique(slots).long()
+    rows = fmt.pack(torch.randn(len(used), 512, generator=g), torch.randn(len(used), 64, generator=g))
+    cache[used // block_size, used % block_size] = rows.to(DEVICE)
+    return cache
+
+
+def index_list(T, topk, slots, g, *, n_bad=None):
+    """[T, topk] int32 slots uniform over the cache with invalid indices of every kind mixed in."""
+    idx = torch.randint(0, slots, (T, topk), generator=g, dtype=torch.int32)
+    bad = torch.tensor(invalid_indices(slots), dtype=torch.int32)
+    n_bad = min(topk // 3, len(bad)) if n_bad is None else n_bad
+    for t in range(T):
+        pos = torch.randperm(topk, generator=g)[:n_bad]
+        idx[t, pos] = bad[torch.randint(0, len(bad), (len(pos),), generator=g)]
+    return idx
+
+
+def make_case(T, H, topk, nb, bs, extra=None, *, seed, fmt=FP8_MODEL1, q_mul=1.0):
+    """(q, cache, indices, extra kwargs) ; extra = (extra_topk, extra_num_blocks, extra_block_size)."""
+    g = torch.Generator().manual_seed(seed)
+    build = model1_cache if fmt is FP8_MODEL1 else lambda *a: mla_cache(fmt, *a)
+    idx = index_list(T, topk, nb * bs, g)
+    cache = build(nb, bs, idx[(idx >= 0) & (idx < nb * bs)], g)
+    kw = {}
+    if extra is not None:
+        xtopk, xnb, xbs = extra
+        xidx = index_list(T, xtopk, xnb * xbs, g)
+        kw = dict(extra_cache=build(xnb, xbs, xidx[(xidx >= 0) & (xidx < xnb * xbs)], g),
+                  extra_indices=xidx.to(DEVICE))
+    q = (torch.randn(T, H, fmt.head_dim, generator=g) * q_mul).bfloat16()
+    return q.to(DEVICE), cache, idx.to(DEVICE), kw
+
+
+def check(q, cache, idx, *, scale=SCALE, out=None, **kw):
+    got, lse = sparse_mla_decode(q, cache, idx, scale=scale, out=out, **kw)
+    want, want_lse = sparse_mla_decode_ref(q, cache, idx, scale=scale, **kw)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert_close("out", got, want, "sparse_decode_model1")
+    assert_close("lse", lse, want_lse, "lse")
+    return got, lse
+
+
+def lengths(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+# ----------------------------------------------------------------------------------------------
+# Head counts, topk, block sizes (FlashMLA's 256 / 64 / 2 and odd ones), with and without extra.
+# ----------------------------------------------------------------------------------------------
+SHAPES = [  # T, H, topk, num_blocks, block_size, extra (extra_topk, blocks, block_size) or None
+    pytest.param(3, 1, 50, 5, 16, None, id="T3-H1-topk50-bs16"),
+    pytest.param(2, 8, 1, 40, 2, None, id="T2-H8-topk1-bs2"),
+    pytest.param(2, 16, 50, 3, 64, (20, 20, 2), id="T2-H16-topk50-bs64+20-bs2"),
+    pytest.param(2, 8, 128, 2, 256, (64, 3, 64), id="T2-H8-topk128-bs256+64-bs64"),
+    pytest.param(2, 48, 37, 4, 61, (50, 30, 2), id="T2-H48-topk37-bs61+50-bs2"),
+    pytest.param(1, 64, 50, 2, 64, (128, 100, 2), id="T1-H64-topk50-bs64+128-bs2"),
+    pytest.param(1, 128, 16, 3, 8, (16, 5, 3), id="T1-H128-topk16-bs8+16-bs3"),
+    _gpu(4, 64, 128, 40, 256, (512, 200, 64), id="T4-H64-topk128-bs256+512-bs64"),
+    _gpu(4, 128, 128, 40, 256, (1024, 2000, 2), id="T4-H128-topk128-bs256+1024-bs2"),
+    _gpu(6, 16, 2048, 40, 64, (576, 30, 61), id="T6-H16-topk2048-bs64+576-bs61"),
+    _gpu(5, 32, 576, 50, 53, None, id="T5-H32-topk576-bs53"),
+]
+
+
+@pytest.mark.parametrize("T,H,topk,nb,bs,extra", SHAPES)
+def test_shapes(T, H, topk, nb, bs, extra):
+    q, cache, idx, kw = make_case(T, H, topk, nb, bs, extra, seed=T * 100 + H + topk)
+    check(q, cache, idx, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# topk_length / extra_topk_length (0, negative, partial, > topk), sinks (finite, +inf, -inf).
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("main_len,extra_len", [
+    pytest.param([0, 7, 50, 1000], None, id="len-0-7-50-1000"),
+    pytest.param(None, [0, 3, 40, -2], id="xlen-0-3-40-neg"),
+    pytest.param([0, -1, 13, 50], [0, 0, 1, 99], id="len+xlen-both-empty-row0-row1"),
+])
+@pytest.mark.parametrize("sink", [None, "finite", "inf"])
+def test_lengths_and_sinks(main_len, extra_len, sink):
+    T, H = 4, 16
+    q, cache, idx, kw = make_case(T, H, 50, 3, 64, (40, 20, 2), seed=3, q_mul=2.0)
+    g = torch.Generator().manual_seed(4)
+    if main_len is not None:
+        kw["topk_length"] = lengths(main_len)
+    if extra_len is not None:
+        kw["extra_topk_length"] = lengths(extra_len)
+    if sink is not None:
+        s = torch.randn(H, generator=g) * 2
+        if sink == "inf":  # FlashMLA's generator: some heads +inf (out 0), some -inf (no sink)
+            s[::3], s[1::3] = float("inf"), NEG_INF
+        kw["attn_sink"] = s.to(DEVICE)
+    got, lse = check(q, cache, idx, **kw)
+    empty = torch.zeros(T, dtype=torch.bool, device=DEVICE)
+    if main_len is not None and extra_len is not None:
+        empty = (kw["topk_length"] <= 0) & (kw["extra_topk_length"] <= 0)
+        assert bool(empty.any())
+    assert bool((got[empty] == 0).all()) and bool((lse[empty] == NEG_INF).all())
+    assert bool(torch.isfinite(lse[~empty]).all())
+
+
+def test_zero_length_extra_equals_no_extra():
+    """extra_topk_length 0 everywhere gives what the main list alone gives (the oracle of both)."""
+    q, cache, idx, kw = make_case(3, 8, 37, 4, 16, (30, 10, 2), seed=8)
+    sink = torch.randn(8).to(DEVICE)
+    got, lse = check(q, cache, idx, attn_sink=sink, extra_topk_length=lengths([0, 0, 0]), **kw)
+    alone, alone_lse = check(q, cache, idx, attn_sink=sink)
+    assert_close("out", got, alone.float(), "sparse_decode_model1")
+    assert_close("lse", lse, alone_lse, "lse")
+
+
+def test_rows_with_no_valid_index():
+    """A token whose lists hold only invalid indices (FlashMLA's zero-length cache: all -1, and
+    every other invalid kind): out 0, lse -inf, with or without a sink; the others are normal."""
+    T, H = 3, 8
+    q, cache, idx, kw = make_case(T, H, 37, 4, 16, (30, 10, 2), seed=9)
+    bad = lengths(invalid_indices(64))
+    idx[0] = bad[torch.arange(37, device=DEVICE) % len(bad)]
+    kw["extra_indices"][0] = -1
+    kw["extra_indices"][1] = -1  # token 1: main list only
+    for sink in (None, torch.full((H,), 3.0, device=DEVICE)):
+        got, lse = check(q, cache, idx, attn_sink=sink, **kw)
+        assert bool((got[0] == 0).all()) and bool((lse[0] == NEG_INF).all())
+        assert bool(torch.isfinite(lse[1:]).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# Splits: any split count, including splits that straddle the main and the extra list, and
+# splits that the lengths leave empty, merges to the oracle; s_q > 1 (one index row a token).
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+def test_forced_splits(num_splits):
+    T, H = 2, 16
+    q, cache, idx, kw = make_case(T, H, 40, 3, 64, (56, 30, 2), seed=num_splits, q_mul=2.0)
+    kw.update(topk_length=lengths([40, 9]), extra_topk_length=lengths([17, 56]))
+    sink = torch.randn(H).to(DEVICE)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=DEVICE)
+    lse = _launch_model1(q, cache, idx, kw["topk_length"], sink, out, SCALE, FP8_MODEL1,
+                         kw["extra_cache"], kw["extra_indices"], kw["extra_topk_length"],
+                         config=dict(BLOCK_N=16), num_splits=num_splits)
+    want, want_lse = sparse_mla_decode_ref(q, cache, idx, scale=SCALE, attn_sink=sink, **kw)
+    assert_close("out", out, want, "sparse_decode_model1")
+    assert_close("lse", lse, want_lse, "lse")
+
+
+def test_speculative_tokens_flashmla_generator():
+    """FlashMLA's decode generator, b = 2 requests of s_q = 2 tokens: q in [-1, 1], keys
+    N(0, 1) / 10 clamped to [-1, 1] written into shuffled blocks, each request's lengths shared
+    by its tokens (FlashMLA's topk_length is per request: expanded to T = b * s_q rows), -1 for
+    positions past a request's cache length, sinks with +-inf heads."""
+    b, s_q, H, topk, xtopk = 2, 2, 64, 64, 40
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(b * s_q, H, 512, generator=g).clamp(-1, 1).bfloat16().to(DEVICE)
+    kw = {}
+    for name, K, nb, bs, seq in (("", topk, 4, 64, [200, 30]), ("extra_", xtopk, 40, 2, [60, 0])):
+        idx = torch.full((b * s_q, K), -1, dtype=torch.int32)
+        table = torch.randperm(nb, generator=g)
+        for r in range(b):  # a request's tokens pick distinct positions of its own sequence
+            for t in range(r * s_q, (r + 1) * s_q):
+                pos = torch.randperm(seq[r], generator=g)[:K]
+                idx[t, :len(pos)] = (table[pos // bs] * bs + pos % bs).int()
+        stride = FP8_MODEL1.padded_block_bytes(bs)
+        k = (torch.randn(nb, bs, 512, generator=g) / 10).clamp(-1, 1).bfloat16()
+        kw[name + "cache"] = FP8_MODEL1.pack(k, block_stride=stride).to(DEVICE)
+        kw[name + "indices"] = idx.to(DEVICE)
+        kw[name + "topk_length"] = torch.randint(0, K + 1, (b,), generator=g, dtype=torch.int32
+                                                 ).repeat_interleave(s_q).to(DEVICE)
+    sink = torch.randn(H, generator=g)
+    sink[::4], sink[1::4] = float("inf"), NEG_INF
+    check(q, kw.pop("cache"), kw.pop("indices"), attn_sink=sink.to(DEVICE), **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults stay visible: a NaN in a selected token's nope byte, rope or scale byte makes the rows
+# that attend it NaN (out and lse); past topk_length, or unselected, it never shows.
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["nope", "rope", "scale"])
+@pytest.mark.parametrize("which", ["main", "extra"])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_faults(where, which, num_splits):
+    T, H = 3, 8
+    q, cache, idx, kw = make_case(T, H, 32, 3, 16, (24, 12, 2), seed=21)
+    c, i, bs = (cache, idx, 16) if which == "main" else (kw["extra_cache"], kw["extra_indices"], 2)
+    slots = c.shape[0] * bs
+    pos = int(((i[1] >= 0) & (i[1] < slots)).nonzero()[0])  # token 1's first valid (written) slot
+    slot = int(i[1, pos])
+    i[i == slot] = -1
+    i[1, pos] = slot  # now attended by token 1 at `pos` only
+    blk, row = divmod(slot, bs)
+    at = {"nope": FP8_MODEL1.record_offset(row) + 100,  # tile 1
+          "rope": FP8_MODEL1.record_offset(row) + FP8_MODEL1.rope_offset + 2 * 17,  # bf16 0xFFFF
+          "scale": FP8_MODEL1.token_scale_offset(bs, row) + 6}[where]
+    FP8_MODEL1.block_view(c)[blk, at:at + (2 if where == "rope" else 1)] = 0x7F if where == "nope" else 0xFF
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=DEVICE)
+    lse = _launch_model1(q, cache, idx, None, None, out, SCALE, FP8_MODEL1, kw["extra_cache"],
+                         kw["extra_indices"], None, num_splits=num_splits)
+    want, want_lse = sparse_mla_decode_ref(q, cache, idx, scale=SCALE, **kw)
+    assert bool(torch.isnan(want[1]).all()) and not bool(torch.isnan(want[[0, 2]]).any())
+    assert_close("out", out, want, "sparse_decode_model1")
+    assert_close("lse", lse, want_lse, "lse")
+    # the same fault past the row's length is not attended
+    name = "topk_length" if which == "main" else "extra_topk_length"
+    kw[name] = lengths([i.shape[1], pos, i.shape[1]])
+    got, lse = check(q, cache, idx, **kw)
+    assert bool(torch.isfinite(lse).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# The extra cache beside the other formats (FlashMLA's reference defines it for any layout).
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", [FP8_DS_MLA, BF16_MLA], ids=["fp8_ds_mla", "bf16"])
+def test_extra_cache_other_formats(fmt):
+    T, H = 3, 8
+    q, cache, idx, kw = make_case(T, H, 37, 4, 16, (30, 20, 2), seed=31, fmt=fmt, q_mul=2.0)
+    kw.update(topk_length=lengths([37, 0, 5]), extra_topk_length=lengths([3, 30, 0]),
+              attn_sink=torch.randn(H).to(DEVICE))
+    check(q, cache, idx, **kw)
+
+
+def test_out_argument_and_custom_op():
+    """out= is written in place; the registered op passes opcheck with the extra tensors."""
+    q, cache, idx, kw = make_case(2, 3, 20, 2, 16, (10, 8, 2), seed=41)
+    buf = torch.full((2, 4, 1024), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got, _ = check(q, cache, idx, out=buf[:, 1:, 256:768], **kw)
+    assert got.data_ptr() == buf[:, 1:, 256:768].data_ptr() and bool(torch.isnan(buf[:, 0]).all())
+    out = torch.empty(2, 3, 512, dtype=torch.bfloat16, device=DEVICE)
+    torch.library.opcheck(torch.ops.openmla.sparse_mla_decode.default,
+                          (q, cache, idx, None, None, out, SCALE, FP8_MODEL1.name, kw["extra_cache"],
+                           kw["extra_indices"], None), test_utils=("test_schema", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad arguments: ValueError naming the tensor, before any launch.
+# ----------------------------------------------------------------------------------------------
+def test_bad_arguments():
+    q, cache, idx, kw = make_case(2, 4, 8, 2, 4, (6, 3, 2), seed=51)
+    xc, xi = kw["extra_cache"], kw["extra_indices"]
+
+    def raises(match, q=q, cache=cache, idx=idx, **kw):
+        with pytest.raises(ValueError, match=match):
+            sparse_mla_decode(q, cache, idx, scale=SCALE, **kw)
+
+    raises("extra_indices / extra_topk_length: expected None without extra_cache", extra_indices=xi)
+    raises("extra_indices / extra_topk_length", extra_topk_length=lengths([1, 1]))
+    raises("extra_indices: expected \\[T, extra_topk\\] int32 with extra_cache", extra_cache=xc)
+    raises("extra_indices", extra_cache=xc, extra_indices=xi.long())
+    raises("extra_indices.shape\\[0\\]: expected 2", extra_cache=xc, extra_indices=xi[:1])
+    raises("extra_indices.shape\\[1\\] \\(topk\\): expected >= 1", extra_cache=xc, extra_indices=xi[:, :0])
+    raises("extra_topk_length", extra_cache=xc, extra_indices=xi, extra_topk_length=lengths([1, 1, 1]))
+    fp8_cache, _ = random_paged_cache(2, 4, FP8_DS_MLA.row_width, torch.uint8)
+    raises("fmt: expected a format of the extra_cache", extra_cache=fp8_cache, extra_indices=xi)
+    raises("q.shape\\[-1\\]: expected 512", q=torch.zeros(2, 4, 576, dtype=torch.bfloat16, device=DEVICE))
+    raises("cache.stride\\(1\\): expected 584", cache=torch.zeros(2, 4, 600, dtype=torch.uint8,
+                                                                  device=DEVICE)[..., :584])
+    raises("extra_cache.shape: expected num_blocks >= 1", extra_cache=xc[:0], extra_indices=xi)
