@@ -29,12 +29,12 @@ from typing import ClassVar
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from openmla.kernels.device import arch_of
 
 from .e4m3 import f32_to_e4m3
 from .format_types import PER_TOKEN_HEAD, CacheFormat, CacheTensor, Scale
+from .mla_writer import check_slot_range, tile_scale
 from .validate import check_same_device, check_tensor, fail
 
 __all__ = ["INDEXER", "IndexerKFormat", "INDEXER_K_FP8", "INDEXER_K_FP8_RAW", "write_indexer_k_cache",
@@ -204,13 +204,8 @@ def write_indexer_k_cache_kernel(
     b_x = tl.load(k_ptr + i_t * stride_k_t + o_k, mask=m_slot, other=0.0).to(tl.float32)
     # max.f32 drops NaN, as CUDA's fmaxf in vLLM's writer: a NaN element does not poison the scale.
     b_amax = tl.max(tl.abs(b_x), axis=1)
-    b_s = tl.math.div_rn(tl.maximum(b_amax, AMAX_FLOOR), FP8_MAX)
-    if UE8M0:
-        # libdevice.log2 is the accurate fp32 log2 torch's reference uses (quant/mla_writer.py).
-        b_e = tl.math.ceil(libdevice.log2(b_s))
-        m_finite = b_s < float("inf")
-        b_e = tl.where(m_finite, b_e, 0.0).to(tl.int32)
-        b_s = tl.where(m_finite, ((b_e + 127) << 23).to(tl.float32, bitcast=True), b_s)
+    # The floor applies to amax here (vLLM's rule), so the scale rule's own floor is 0.
+    b_s = tile_scale(tl.maximum(b_amax, AMAX_FLOOR), UE8M0, FP8_MAX, 0.0)
     b_q = f32_to_e4m3(tl.math.div_rn(b_x, b_s[:, None]), E4M3)
     tl.store(p_block + i_o * (GROUPS * GROUP) + o_k, b_q, mask=m_slot)
     p_scale = (p_block + block_size * (GROUPS * GROUP)).to(tl.pointer_type(tl.float32))
@@ -253,10 +248,7 @@ def write_indexer_k_cache(k: torch.Tensor, cache: torch.Tensor, slot_mapping: to
     if T == 0:
         return
     if check_slots:
-        top = int(slot_mapping.max())  # device sync, documented above
-        if top >= num_slots:
-            fail("slot_mapping", f"values < num_blocks * block_size = {num_slots} (or < 0 to skip)",
-                 f"max {top}")
+        check_slot_range(slot_mapping, num_slots)  # device sync, documented above
     if slot_mapping.stride(0) != 1:
         slot_mapping = slot_mapping.contiguous()
     write_indexer_k_cache_kernel[(T,)](
