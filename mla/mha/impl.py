@@ -21,6 +21,14 @@ Optional K smoothing for outlier channels: `set_k_smooth` (`quant.int8.calibrate
 
 The per-step plan (decode/prefill split, cascade, local attention) is `mla.attention_plan`; its
 names are re-exported here. forward never reads the device.
+
+Decode context parallelism (dcp=, mla/cp.py; vLLM's FlashAttention DCP scheme): the rank's cache
+holds its share of every request's tokens (the plan's slot mapping is the rank's). forward writes
+the step's local tokens, attends the group's queries (gathered, for "sharded" heads) to the rank's
+context tokens without a causal mask, merges the ranks' partials (ContextParallel.merge), attends
+the new tokens causally to the step's own keys and values (identical on every rank, so the sink
+joins this part, once), and merges the two. The new tokens' keys are read from key/value as
+given, not from the (possibly quantized) cache.
 """
 from __future__ import annotations
 
@@ -30,7 +38,9 @@ from typing import Optional
 import torch
 
 from openmla.kernels.cascade import cascade_attention
+from openmla.kernels.merge import merge_attn_states
 from openmla.kernels.paged_attention import paged_attention, varlen_attention
+from openmla.mla.cp import ContextParallel
 from openmla.mla.mha.plan import (AttentionPlan, AttentionSubPlan, CascadePlan, _int_arg,
                                 build_attention_plan)
 from openmla.quant.format_types import MHA
@@ -86,12 +96,15 @@ class PagedAttentionImpl:
         attn_type: "decoder" (causal, paged cache), "encoder" or "encoder_only" (non-causal over
             the step's own keys and values, no cache; fp8 kv_cache_dtype is not supported there,
             as in vLLM). "encoder_decoder" (cross-attention) raises NotImplementedError.
+        dcp: this rank's ContextParallel (mla/cp.py), or None; decoder attention without ALiBi
+            or a sliding window only (NotImplementedError otherwise). build_plan passes it on.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, *,
                  sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                  alibi_slopes=None, sinks: Optional[torch.Tensor] = None,
-                 kv_cache_dtype="auto", attn_type: str = "decoder"):
+                 kv_cache_dtype="auto", attn_type: str = "decoder",
+                 dcp: Optional[ContextParallel] = None):
         for name, val in (("num_heads", num_heads), ("head_size", head_size),
                           ("num_kv_heads", num_kv_heads)):
             _int_arg(name, val, 1)
@@ -132,6 +145,15 @@ class PagedAttentionImpl:
             alibi_slopes = alibi_slopes.contiguous()
         if sinks is not None:
             check_tensor("sinks", sinks, shape=(num_heads,))
+        if dcp is not None:
+            if not isinstance(dcp, ContextParallel):
+                fail("dcp", "None or an openmla.mla.cp.ContextParallel", type(dcp).__name__)
+            which = [n for n, on in (("ALiBi", alibi_slopes is not None),
+                                     ("a sliding window", sliding_window is not None),
+                                     (f"attn_type {attn_type!r}", attn_type != "decoder")) if on]
+            if which:
+                raise NotImplementedError(f"PagedAttentionImpl: DCP with {' and '.join(which)}")
+        self.dcp = dcp
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -204,7 +226,7 @@ class PagedAttentionImpl:
             query_start_loc, seq_lens, block_table, slot_mapping, max_query_len=max_query_len,
             block_size=block_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             use_alibi=self.alibi_slopes is not None,
-            use_sliding_window=self.sliding_window != (-1, -1), **kwargs)
+            use_sliding_window=self.sliding_window != (-1, -1), dcp=self.dcp, **kwargs)
 
     # ------------------------------------------------------------------ per layer
     def forward(self, query: torch.Tensor, key: Optional[torch.Tensor],
@@ -266,6 +288,9 @@ class PagedAttentionImpl:
         if T == 0:
             return output
         sinks = self._sinks(query.device)
+        if plan.dcp is not None:
+            return self._forward_dcp(query, key, value, k_cache, v_cache, k_scale_cache, k_scale,
+                                     v_scale, k_smooth, sinks, plan, output)
         if plan.cascade is not None:
             if self.alibi_slopes is not None or self.sliding_window != (-1, -1):
                 raise NotImplementedError("PagedAttentionImpl: a cascade plan with ALiBi or a "
@@ -291,6 +316,32 @@ class PagedAttentionImpl:
                             sinks=sinks, k_scale=k_scale, v_scale=v_scale, out=o,
                             max_query_len=sub.max_query_len, k_scale_cache=k_scale_cache,
                             k_smooth=k_smooth, fmt=self.cache_format)
+        return output
+
+    def _forward_dcp(self, query, key, value, k_cache, v_cache, k_scale_cache, k_scale, v_scale,
+                     k_smooth, sinks, plan, output):
+        """DCP attention (module docstring): context over the ranks' caches, merged, then
+        merged with the new tokens' causal attention over their own keys."""
+        cp, T, H, D = plan.dcp, query.shape[0], self.num_heads, self.head_size
+        if self.dcp is None or (cp.world_size, cp.rank) != (self.dcp.world_size, self.dcp.rank):
+            fail("plan.dcp", "this layer's dcp (build the plan with impl.build_plan)", cp)
+        if key is None:
+            raise NotImplementedError("PagedAttentionImpl: DCP without the step's keys and values "
+                                      "(a layer sharing another layer's cache)")
+        qa = cp.gather_heads(query, self.num_kv_heads)
+        part, lse = paged_attention(
+            qa, k_cache, v_cache, plan.block_table, plan.query_start_loc, plan.dcp_context_lens,
+            scale=self.scale, causal=False, softcap=self.softcap, k_scale=k_scale, v_scale=v_scale,
+            return_lse=True, max_query_len=plan.max_query_len, k_scale_cache=k_scale_cache,
+            k_smooth=k_smooth, fmt=self.cache_format)
+        ctx, ctx_lse = cp.merge(part, lse, num_kv_heads=self.num_kv_heads)
+        new = torch.empty(T, H, D, dtype=query.dtype, device=query.device)
+        cu = plan.query_start_loc
+        _, new_lse = varlen_attention(query, key[:T], value[:T], cu, cu, scale=self.scale,
+                                      causal=True, softcap=self.softcap, sinks=sinks, out=new,
+                                      return_lse=True, max_query_len=plan.max_query_len,
+                                      max_kv_len=plan.max_query_len)
+        merge_attn_states(output, ctx, ctx_lse, new, new_lse)
         return output
 
     # ------------------------------------------------------------------ helpers

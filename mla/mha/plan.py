@@ -21,6 +21,12 @@ Host syncs: none when the step is decode-only (max_query_len <= decode_threshold
 cascade prefix and no local attention; otherwise the builder needs the host lengths
 (query_lens_cpu, seq_lens_cpu, which vLLM keeps) and reads them back from the device (a sync)
 when they are not given.
+
+Decode context parallelism (dcp, mla/cp.py), as vLLM's FlashAttention backend runs it: the cache
+of each rank holds its share of every request's tokens. The plan carries the rank's place and
+dcp_context_lens, the tokens before each request's new ones (its context) that this rank holds;
+the layer attends the group's queries to them without a causal mask, merges the ranks' partials,
+and merges that with the new tokens' causal attention over their own keys and values.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import numpy as np
 import torch
 
 from openmla.kernels.device import num_sms as device_num_sms
+from openmla.mla.cp import ContextParallel
 from openmla.mla.mha.cascade import use_cascade_attention
 from openmla.mla.mha.local import LocalAttentionBatch, make_local_attention_virtual_batches
 from openmla.quant.validate import check_same_device, check_tensor, fail
@@ -97,6 +104,9 @@ class AttentionPlan:
     graph replays are seen): query_start_loc [R + 1], seq_lens [R], block_table [R, M],
     slot_mapping [T] (the cache writes; < 0 skips a token). A prefill launch after decodes
     carries its own rebased cu_seqlens_q, built at plan time.
+
+    DCP: dcp is this rank's ContextParallel (None: one rank holds every token) and
+    dcp_context_lens [R] int32 the context tokens of each request on this rank (module docstring).
     """
 
     num_tokens: int
@@ -119,6 +129,8 @@ class AttentionPlan:
     prefill: Optional[AttentionSubPlan] = None
     cascade: Optional[CascadePlan] = None
     local: Optional[LocalAttentionBatch] = None
+    dcp: Optional[ContextParallel] = None
+    dcp_context_lens: Optional[torch.Tensor] = None
 
     @property
     def use_cascade(self) -> bool:
@@ -192,6 +204,7 @@ def build_attention_plan(
     use_alibi: bool = False,
     use_sliding_window: bool = False,
     num_sms: Optional[int] = None,
+    dcp: Optional[ContextParallel] = None,
 ) -> AttentionPlan:
     """Build one step's plan from what the engine has (vLLM's CommonAttentionMetadata).
 
@@ -218,6 +231,10 @@ def build_attention_plan(
         attn_chunk_size: chunked local attention (`mla.local_attention`), or None.
         use_alibi, use_sliding_window: the layers' features (the cascade heuristic needs them).
         num_sms: GPU multiprocessors for the heuristic (default: the device's; 8 on the CPU).
+        dcp: this rank's ContextParallel (mla/cp.py) when each rank holds a share of every
+            request's tokens; slot_mapping must then be the rank's (ContextParallel.slot_mapping,
+            vLLM's under DCP). NotImplementedError with cascade, local attention, ALiBi or a
+            sliding window (their positions are global, the rank's cache is indexed locally).
 
     Returns an AttentionPlan.
     """
@@ -250,6 +267,15 @@ def build_attention_plan(
                                  ("local attention", attn_chunk_size is not None)) if on]
         raise NotImplementedError(f"cascade attention with {' and '.join(which)} (vLLM does not "
                                   "support it either: the prefix pass has no per-query position)")
+    if dcp is not None:
+        if not isinstance(dcp, ContextParallel):
+            fail("dcp", "None or an openmla.mla.cp.ContextParallel", type(dcp).__name__)
+        which = [n for n, on in (("cascade", use_cascade), ("local attention", attn_chunk_size is not None),
+                                 ("ALiBi", use_alibi), ("a sliding window", use_sliding_window)) if on]
+        if which:
+            raise NotImplementedError(f"DCP with {' and '.join(which)} (positions are global; "
+                                      "each rank's cache is indexed by its local tokens)")
+        use_cascade = False
     want_cascade = common_prefix_len > 0 and use_cascade is not False
     need_host = max_query_len > decode_threshold or want_cascade or attn_chunk_size is not None
 
@@ -321,6 +347,9 @@ def build_attention_plan(
                 suffix_seq_lens=seq_lens - shared)
             return AttentionPlan(cascade=cascade, **common)
 
+    if dcp is not None:
+        ctx = dcp.local_seq_lens(seq_lens - (query_start_loc[1:] - query_start_loc[:-1]))
+        common.update(dcp=dcp, dcp_context_lens=ctx)
     decode = prefill = None
     if nd == R:
         decode = AttentionSubPlan(0, T, R, min(max_query_len, decode_threshold), query_start_loc,

@@ -10,6 +10,12 @@
 forward absorbs the query into the latent space (q_lat_h = q_nope_h W_UK[h]), attends over the
 latent cache with the sparse kernels (mla/sparse/plan.py says which tokens take which path), and
 projects the latent output back (o_h = o_lat_h W_UV[h]). mla/absorb.py holds the weight maths.
+
+Decode context parallelism (dcp=, mla/cp.py): the cache holds this rank's share of every request's
+tokens (write_cache takes the rank's slot mapping, where another rank's tokens are -1). forward
+gathers the group's query heads ("sharded"), attends over the local slots of the top-k, and merges
+the ranks' partial (out, lse) before the output projection; forward_mqa(return_lse=True) gives
+the partial alone, for an engine that merges itself (vLLM's MLA layer does).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from openmla.mla import D_QK, KV_LORA_RANK, ROPE_DIM
 from openmla.mla.absorb import split_kv_b_proj
+from openmla.mla.cp import ContextParallel
 from openmla.mla.sparse.plan import MAX_HEADS, SparseMLAPlan, build_sparse_mla_plan
 from openmla.quant.format_types import SPARSE_MLA
 from openmla.quant.formats import cache_format
@@ -50,12 +57,15 @@ class SparseMLAImpl:
         max_model_len: longest sequence served; the fp8 separate path's workspace holds
             workspace_rows (default 5 * max_model_len) bf16 rows of 576, allocated once, on first use.
         fp8_path: "mixed", "separate" or None (auto: mixed below 32 heads); see mla/sparse/plan.py.
+        dcp: this rank's ContextParallel (mla/cp.py), or None. With "sharded" heads the kernels
+            see dcp.attn_heads(num_heads) = N * num_heads heads (<= 128).
     """
 
     def __init__(self, num_heads: int, scale: float, kv_cache_dtype, *,
                  kv_lora_rank: int = KV_LORA_RANK, qk_nope_head_dim: int = 128,
                  qk_rope_head_dim: int = ROPE_DIM, v_head_dim: int = 128, max_model_len: int,
-                 fp8_path: Optional[str] = None, workspace_rows: Optional[int] = None):
+                 fp8_path: Optional[str] = None, workspace_rows: Optional[int] = None,
+                 dcp: Optional[ContextParallel] = None):
         self.cache_format = cache_format(kv_cache_dtype, SPARSE_MLA, who="SparseMLAImpl")
         if kv_lora_rank != KV_LORA_RANK or qk_rope_head_dim != ROPE_DIM:
             raise NotImplementedError(
@@ -65,9 +75,13 @@ class SparseMLAImpl:
                           ("v_head_dim", v_head_dim), ("max_model_len", max_model_len)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 fail(name, "a positive int", repr(val))
-        if num_heads > MAX_HEADS:
+        if dcp is not None and not isinstance(dcp, ContextParallel):
+            fail("dcp", "None or an openmla.mla.cp.ContextParallel", type(dcp).__name__)
+        attn_heads = num_heads if dcp is None else dcp.attn_heads(num_heads)
+        if attn_heads > MAX_HEADS:
             raise NotImplementedError(
-                f"SparseMLAImpl: num_heads={num_heads} > {MAX_HEADS} (the kernels' limit)")
+                f"SparseMLAImpl: {attn_heads} heads per kernel call (num_heads={num_heads}"
+                + ("" if dcp is None else f", DCP x{dcp.world_size}") + f") > {MAX_HEADS} (the kernels' limit)")
         if (isinstance(scale, bool) or not isinstance(scale, (int, float))
                 or not (math.isfinite(scale) and scale > 0)):
             fail("scale", "a finite positive float", repr(scale))
@@ -78,6 +92,8 @@ class SparseMLAImpl:
         if not self.cache_format.quantized and fp8_path is not None:
             fail("fp8_path", "None for a bf16 cache (it picks how an fp8 cache is read)", repr(fp8_path))
         self.num_heads = num_heads
+        self.dcp = dcp
+        self.attn_heads = attn_heads  # heads of the q forward_mqa takes
         self.scale = float(scale)
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_lora_rank = kv_lora_rank
@@ -120,16 +136,18 @@ class SparseMLAImpl:
     # ------------------------------------------------------------------ per step
     def build_plan(self, query_start_loc, seq_lens, block_table, slot_mapping, *, block_size: int,
                    decode_threshold: int = 1, query_lens_cpu=None, seq_lens_cpu=None,
-                   max_query_len=None, req_id_out=None) -> SparseMLAPlan:
-        """build_sparse_mla_plan with this layer's heads, cache dtype, fp8 path and workspace
-        (req_id_out: a persistent buffer for CUDA graphs, mla/sparse/plan.py)."""
+                   max_query_len=None, req_id_out=None, dcp_local_seq_lens=None) -> SparseMLAPlan:
+        """build_sparse_mla_plan with this layer's heads (as the kernels see them), cache dtype,
+        fp8 path, workspace and DCP place (req_id_out: a persistent buffer for CUDA graphs,
+        dcp_local_seq_lens: the engine's local lengths under DCP; mla/sparse/plan.py)."""
         return build_sparse_mla_plan(
             query_start_loc, seq_lens, block_table, slot_mapping, block_size=block_size,
-            num_heads=self.num_heads, kv_cache_dtype=self.cache_format,
+            num_heads=self.attn_heads, kv_cache_dtype=self.cache_format,
             max_model_len=self.max_model_len, decode_threshold=decode_threshold,
             fp8_path=self.fp8_path, workspace_rows=self.workspace_rows,
             query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu,
-            max_query_len=max_query_len, req_id_out=req_id_out)
+            max_query_len=max_query_len, req_id_out=req_id_out, dcp=self.dcp,
+            dcp_local_seq_lens=dcp_local_seq_lens)
 
     # ------------------------------------------------------------------ per layer
     def write_cache(self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
@@ -182,27 +200,40 @@ class SparseMLAImpl:
         q = plan.buffer("q", (T, H, D_QK), bf16)
         torch.bmm(q_nope.transpose(0, 1), self.W_UK, out=q[:, :, :KV_LORA_RANK].transpose(0, 1))
         q[:, :, KV_LORA_RANK:] = q_pe
-        o_lat = self.forward_mqa(q, cache, topk_indices, plan,
-                                 out=plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16))
+        if self.dcp is None:
+            o_lat = self.forward_mqa(q, cache, topk_indices, plan,
+                                     out=plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16))
+        else:  # this rank's partial over the group's heads, merged across the ranks
+            part, lse = self.forward_mqa(self.dcp.gather_heads(q), cache, topk_indices, plan,
+                                         return_lse=True)
+            o_lat, _ = self.dcp.merge(part, lse, result=plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16))
         if out is None:
             out = torch.empty(T, H, v, dtype=bf16, device=q.device)
         torch.bmm(o_lat.transpose(0, 1), self.W_UV, out=out.transpose(0, 1))
         return out
 
     def forward_mqa(self, q: torch.Tensor, cache: torch.Tensor, topk_indices: torch.Tensor,
-                    plan: SparseMLAPlan, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    plan: SparseMLAPlan, *, out: Optional[torch.Tensor] = None,
+                    return_lse: bool = False):
         """Latent (absorbed) sparse attention, for callers that absorb the query themselves.
 
         Args:
-            q: [T, H, 576] bf16 (latent 512 | rope 64), last dim contiguous.
+            q: [T, Ha, 576] bf16 (latent 512 | rope 64), last dim contiguous; Ha = attn_heads
+                (num_heads, or the DCP group's gathered heads: dcp.gather_heads).
             cache, topk_indices, plan: as forward.
-            out: optional [T, H, 512] bf16, last dim contiguous.
+            out: optional [T, Ha, 512] bf16, last dim contiguous.
+            return_lse: also return lse [T, Ha] fp32 (natural log, -inf for a row without a
+                valid index). Needs a plan that runs every token through the decode kernel
+                (bf16 or mixed path, decode-only steps, every DCP plan); NotImplementedError
+                for a separate-path step with prefills.
 
-        Returns [T, H, 512] bf16, the softmax-weighted latent; 0 for a token without a valid
-        index (and for padding tokens).
+        Returns [T, Ha, 512] bf16, the softmax-weighted latent; 0 for a token without a valid
+        index (and for padding tokens); (out, lse) with return_lse. With a DCP plan this is the
+        rank's partial over its local tokens (its top-k entries held by other ranks skipped):
+        ContextParallel.merge combines the ranks' partials.
         """
         if not self._mqa_inputs_ok(q, cache, topk_indices, plan, out):
-            check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, D_QK),
+            check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.attn_heads, D_QK),
                          last_dim_contiguous=True)
             self._check_cache(cache)
             if plan.cache_format != self.cache_format:
@@ -221,10 +252,18 @@ class SparseMLAImpl:
         # every conversion bounds an index by its own request's seq_len (request isolation)
         td = plan.num_decode_tokens
         if td == T:  # every row through the decode kernel: no slices (decode-only steps)
-            idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table, topk_indices, bs,
-                                              seq_lens=plan.seq_lens)
-            sparse_mla_decode(q, cache, idx, scale=self.scale, out=out, fmt=self.cache_format)
-            return out
+            if plan.dcp is None:
+                idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table,
+                                                  topk_indices, bs, seq_lens=plan.seq_lens)
+            else:  # this rank's share of the top-k, bounded by its local lengths
+                idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table,
+                                                  plan.dcp.local_indices(topk_indices), bs,
+                                                  seq_lens=plan.local_seq_lens)
+            _, lse = sparse_mla_decode(q, cache, idx, scale=self.scale, out=out, fmt=self.cache_format)
+            return (out, lse) if return_lse else out
+        if return_lse:
+            raise NotImplementedError("SparseMLAImpl.forward_mqa(return_lse=True) with a separate-path "
+                                      "prefill step (the lse comes from the decode kernel's path)")
         if td > 0:
             idx = convert_req_index_to_global(plan.req_id_per_token[:td], plan.block_table,
                                               topk_indices[:td], bs, seq_lens=plan.seq_lens)
@@ -250,8 +289,8 @@ class SparseMLAImpl:
         attribute reads, for the call that passes them all."""
         T, dev = plan.num_tokens, plan.device
         return (isinstance(q, torch.Tensor) and q.dtype == torch.bfloat16
-                and q.shape == (T, self.num_heads, D_QK) and q.stride(2) == 1 and q.device == dev
-                and plan.num_heads == self.num_heads
+                and q.shape == (T, self.attn_heads, D_QK) and q.stride(2) == 1 and q.device == dev
+                and plan.num_heads == self.attn_heads
                 and (plan.cache_format is self.cache_format or plan.cache_format == self.cache_format)
                 and isinstance(cache, torch.Tensor) and cache.dtype == self._cache_dtype
                 and cache.dim() == 3 and cache.shape[1] == plan.block_size
@@ -261,7 +300,7 @@ class SparseMLAImpl:
                 and (topk_indices.stride(1) == 1 or topk_indices.shape[1] == 1)
                 and topk_indices.device == dev
                 and (out is None or (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
-                                     and out.shape == (T, self.num_heads, KV_LORA_RANK)
+                                     and out.shape == (T, self.attn_heads, KV_LORA_RANK)
                                      and out.stride(2) == 1 and out.device == dev)))
 
     def _check_cache(self, cache: torch.Tensor):

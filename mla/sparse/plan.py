@@ -32,6 +32,11 @@ graph captured for T replays any decode batch padded to T. The one tensor the pl
 itself, req_id_per_token, goes into the caller's persistent `req_id_out` buffer when given, so
 its address is the same at capture and at every later step; the others are views of the
 engine's tensors.
+
+Decode context parallelism (`dcp`, mla/cp.py): each rank holds only its share of every request's
+tokens. The plan then carries the rank's place in the group and local_seq_lens (the tokens of
+each request this rank holds); every token runs through the decode kernel (which returns the lse
+the cross-rank merge needs) over the local slots of its top-k, whatever the cache format.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from openmla.mla.cp import ContextParallel
 from openmla.quant.format_types import SPARSE_MLA, CacheFormat
 from openmla.quant.formats import cache_format
 from openmla.quant.validate import check_same_device, check_tensor, fail
@@ -163,6 +169,10 @@ class SparseMLAPlan:
 
     Step scratch (`buffer`): intermediates every layer of the step needs (the absorbed query,
     the latent output) are allocated once per step, not once per layer.
+
+    DCP (mla/cp.py): dcp is this rank's ContextParallel (None: one rank holds every token);
+    local_seq_lens [R] int32, the tokens of each request on this rank (None without dcp).
+    num_heads is then the heads the kernels see (the group's N * H for sharded heads).
     """
 
     num_tokens: int
@@ -182,6 +192,8 @@ class SparseMLAPlan:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     prefill_chunks: tuple = ()
+    dcp: Optional[ContextParallel] = None
+    local_seq_lens: Optional[torch.Tensor] = None
     scratch: dict = field(default_factory=dict, repr=False)
 
     def buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -263,6 +275,8 @@ def build_sparse_mla_plan(
     seq_lens_cpu: Optional[HostInts] = None,
     max_query_len: Optional[int] = None,
     req_id_out: Optional[torch.Tensor] = None,
+    dcp: Optional[ContextParallel] = None,
+    dcp_local_seq_lens: Optional[torch.Tensor] = None,
 ) -> SparseMLAPlan:
     """Build one step's plan from what the engine has.
 
@@ -294,6 +308,13 @@ def build_sparse_mla_plan(
         req_id_out: optional persistent int32 buffer of >= T elements on the batch's device:
             req_id_per_token is written into its first T entries (CUDA graphs: module
             docstring). Default: a new tensor each build.
+        dcp: this rank's ContextParallel (mla/cp.py) when each rank holds a share of every
+            request's tokens; num_heads is then the heads the kernels see. fp8_path "separate"
+            is refused (NotImplementedError): under DCP every token runs through the decode
+            kernel, which returns the lse the merge needs.
+        dcp_local_seq_lens: optional [R] int32 on the batch's device, the engine's own tokens
+            per request on this rank (vLLM's dcp_local_seq_lens, a persistent buffer); default
+            dcp.local_seq_lens(seq_lens).
 
     Returns a SparseMLAPlan. Decode-only steps build no prefill structures and, given
     query_lens_cpu or max_query_len on the separate path, read nothing from the device.
@@ -305,6 +326,16 @@ def build_sparse_mla_plan(
     _positive_int("num_heads", num_heads)
     if num_heads > MAX_HEADS:
         raise NotImplementedError(f"sparse MLA: num_heads {num_heads} > {MAX_HEADS} (the kernels' limit)")
+    if dcp is not None:
+        if not isinstance(dcp, ContextParallel):
+            fail("dcp", "None or an openmla.mla.cp.ContextParallel", type(dcp).__name__)
+        if fp8_path == "separate":
+            raise NotImplementedError("sparse MLA with DCP: fp8_path 'separate' (every token runs "
+                                      "through the decode kernel, which returns the merge's lse)")
+        if fmt.quantized:
+            fp8_path = "mixed"
+    elif dcp_local_seq_lens is not None:
+        fail("dcp_local_seq_lens", "None without dcp", "a tensor")
     path = _choose_path(fmt, num_heads, fp8_path)
     if workspace_rows is None:
         workspace_rows = 5 * max_model_len
@@ -342,6 +373,13 @@ def build_sparse_mla_plan(
                   cache_format=fmt, path=path, decode_threshold=decode_threshold,
                   workspace_rows=workspace_rows, device=device, req_id_per_token=req_id_per_token,
                   block_table=block_table, seq_lens=seq_lens)
+    if dcp is not None:
+        if dcp_local_seq_lens is None:
+            dcp_local_seq_lens = dcp.local_seq_lens(seq_lens)
+        else:
+            check_tensor("dcp_local_seq_lens", dcp_local_seq_lens, dtype=torch.int32, shape=(R,))
+            check_same_device(seq_lens=seq_lens, dcp_local_seq_lens=dcp_local_seq_lens)
+        common.update(dcp=dcp, local_seq_lens=dcp_local_seq_lens)
     if path != "separate":
         return SparseMLAPlan(num_decodes=R, num_decode_tokens=T, num_prefills=0,
                              num_prefill_tokens=0, **common)
