@@ -13,12 +13,13 @@ from openmla.quant.e4m3 import e4m3_to_f16
 
 
 def fp8_dot(arch: Arch) -> bool:
-    """The dot takes the e4m3 bytes as they are (NVIDIA sm_89+ tensor cores, AMD's fp8 mfma on
-    gfx942/gfx950); elsewhere, and in the interpreter, both operands are widened to fp16 first
-    (exact: every e4m3fn value is an fp16 value, and the products are summed in fp32 either way)."""
+    """The dot takes the e4m3fn bytes as they are (NVIDIA sm_89+ tensor cores; gfx950, whose fp8
+    mfma is OCP e4m3fn, where gfx942's is the fnuz variant); elsewhere, and in the interpreter,
+    both operands are widened to fp16 first (exact: every e4m3fn value is an fp16 value, and
+    the products are summed in fp32 either way)."""
     if arch.backend == "cuda":
         return arch.arch >= 89
-    return arch.backend == "hip"
+    return arch.backend == "hip" and arch.arch == "gfx950"
 
 
 @triton.jit

@@ -63,7 +63,7 @@ def topk_per_row_kernel(
         want = K
         o_bin = tl.arange(0, 256)
         for i_pass in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * i_pass
+            shift = 24 - 8 * i_pass
             hist = tl.zeros([256], tl.int32)
             for c0 in range(start, end, BLOCK):
                 o_c = c0 + o_b

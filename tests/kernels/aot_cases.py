@@ -14,11 +14,13 @@ import itertools
 import torch
 
 from openmla.kernels.index import convert_req_index_to_global
+from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, topk_per_row
 from openmla.kernels.merge import merge_attn_states
 from openmla.kernels.paged_attention import paged_attention, varlen_attention
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
+from openmla.quant.indexer_cache import write_indexer_k_cache
 from openmla.quant.int8 import quantize_per_channel, quantize_per_token_head
 from openmla.quant.kv_cache import write_kv_cache
 from openmla.quant.mla_gather import gather_upconvert
@@ -193,6 +195,25 @@ def misc_cases():
         workspace=(torch.tensor([0, 0, -1, -1], dtype=I32), torch.zeros(1, dtype=I32)))
 
 
+
+# ---------------------------------------------------------------------------------------------
+# DSA indexer (DeepSeek-V3.2 shapes: 64 heads of 128, page 64, next_n 1 and 2, topk 2048)
+# ---------------------------------------------------------------------------------------------
+def indexer_cases():
+    cache = torch.zeros(4, 64, 132, dtype=torch.uint8)
+    yield "write_indexer_k_cache", lambda: write_indexer_k_cache(
+        torch.zeros(8, 128, dtype=BF16), cache, _ints(8), check_slots=False)
+    for n in (1, 2):
+        q, w = torch.zeros(2, n, 64, 128, dtype=FP8), torch.zeros(2 * n, 64)
+        yield f"paged_mqa_logits-n{n}", lambda q=q, w=w: paged_mqa_logits(
+            q, w, cache, _ints(2, hi=200), _ints(2, 4), max_model_len=256)
+    yield "mqa_logits", lambda: mqa_logits(torch.zeros(8, 64, 128, dtype=FP8), torch.zeros(8, 64),
+                                           torch.zeros(64, 128, dtype=FP8), torch.zeros(64),
+                                           _ints(8), _ints(8, hi=64))
+    logits = torch.zeros(4, 4096)
+    yield "topk_per_row", lambda: topk_per_row(logits, _ints(4, hi=4096), 2048, starts=_ints(4))
+    yield "decode_topk", lambda: decode_topk(logits, _ints(2, hi=4096), 2, 2048)
+
 # The default set. CORE runs on every target: the code that differs between GPUs (each e4m3
 # path: decode, encode, fp8 and int8 caches; Gluon or Triton on sm_90; the configs with the most
 # shared memory, which the per-target budgets prune: 64-head prefill blocks, long-query MHA
@@ -207,6 +228,7 @@ CORE = (
     "paged-gqa4-d128-decode-bfloat16-int8_qkv",
     "write_kv_cache-bfloat16-fp8", "write_kv_cache-float16-int8_qk",
     "int8-per-token-head", "int8-per-channel", "merge-bfloat16", "index-workspace",
+    "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row",
 )
 EXTRA = (
     "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "prefill-H16", "write_mla_cache-bf16",
@@ -220,7 +242,7 @@ def cases(full: bool, arch_name: str):
     """(id, thunk) of every standard shape class (full), or of the default set for this target."""
     pick = set(CORE) | (set(EXTRA) if arch_name in EXTRA_ARCHES else set())
     found = set()
-    for group in (sparse_cases, cache_cases, mha_cases, mha_cache_cases, misc_cases):
+    for group in (sparse_cases, cache_cases, mha_cases, mha_cache_cases, misc_cases, indexer_cases):
         for case_id, thunk in group():
             found.add(case_id)
             if full or case_id in pick:
