@@ -109,7 +109,19 @@ def kernel_time(fn) -> tuple[float, str]:
     except Exception as e:  # e.g. a host sync inside fn
         print(f"    (graph capture failed: {type(e).__name__}; timing eagerly)", file=sys.stderr)
         torch.cuda.synchronize()
+        _reset_capture_state()
         return do_bench(fn, quantiles=[0.5]), "eager"
+
+
+def _reset_capture_state() -> None:
+    """A capture that failed part-way leaves torch's CUDA generator in its capture state, and the
+    next random tensor of the run (the next case's inputs) raises "Offset increment outside graph
+    capture encountered unexpectedly"; one complete capture, of a single add, resets it."""
+    x = torch.zeros(1, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    torch.cuda.synchronize()
 
 
 EAGER_CALLS, EAGER_REPEATS = 300, 5
