@@ -83,3 +83,27 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
         if fill >= MIN_FILL or fill > best_fill + 1e-9 and best_fill < MIN_FILL:
             best, best_fill = s, fill
     return best
+
+
+def _triton_config(q, H: int, config) -> dict:
+    """The Triton kernel's config for H heads, updated with a pinned `config` (tests, sweeps)."""
+    cfg = _pick_config(q, H)
+    if config:
+        cfg.update(config)
+    return cfg
+
+
+def _head_blocks(cfg: dict, H: int):
+    """(heads a program, head blocks a token): BLOCK_H, shrunk to H's power of two (>= 16, a dot's
+    smallest M)."""
+    block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
+    return block_h, triton.cdiv(H, block_h)
+
+
+def _splits(T: int, num_hb: int, length: int, cfg: dict, num_splits, sms: int):
+    """(keys a split, splits) over `length` keys: `num_splits` when given, else `_pick_splits`;
+    the count is what a chunk of whole BLOCK_N key blocks leaves."""
+    if num_splits is None:
+        num_splits = _pick_splits(T, num_hb, length, cfg, sms)
+    chunk = _split_chunk(length, num_splits, cfg["BLOCK_N"])
+    return chunk, triton.cdiv(length, chunk)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_factor, keep_faults,
-                                                      sink_factor)
+                                                      sink_factor, softmax_step)
 from openmla.kernels.sparse_mla_decode.triton_kernel import _load_rows, _pv, _split4
 from openmla.quant.e4m3 import e4m3_to_f16
 
@@ -98,20 +98,14 @@ def _attend(b_m, b_l, b_r, b_o0, b_o1, b_o2, b_o3, b_o4, b_o5, b_o6, b_or,
         # a NaN or inf score of a valid key turns NaN (kernels/softmax.py): the row ends NaN
         b_sc = tl.where(m_kv[None, :], keep_faults(b_sc), float("-inf"))
 
-        m_new = tl.maximum(b_m, tl.max(b_sc, 1))
-        # a row with no valid key so far keeps m = -inf; subtract 0 instead to avoid inf - inf
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(b_m - m_use)
-        b_p = tl.exp2(b_sc - m_use[:, None])
-        b_l = b_l * alpha + tl.sum(b_p, 1)
+        b_m, alpha, b_p, b_l, grow = softmax_step(b_m, b_l, b_sc)
         # fp16 P_t = P * s_t / R_t in [0, 1], R_t a power of two >= every tile-t scale so far (the
         # scales are powers of two: their max is one); accumulators rescale only when a factor grew
         b_n = tl.maximum(b_r, tl.max(b_sv, 0))
-        grow = tl.max(tl.where(m_new > b_m, 1, 0), 0) | tl.max(tl.where(b_n > b_r, 1, 0), 0)
+        grow = grow | tl.max(tl.where(b_n > b_r, 1, 0), 0)
         b_f0, b_f1, b_f2, b_f3, b_f4, b_f5, b_f6, _ = _split8(b_r / b_n)
         b_n0, b_n1, b_n2, b_n3, b_n4, b_n5, b_n6, _ = _split8(b_n)
         b_r = b_n
-        b_m = m_new
         if grow > 0:
             b_o0 = b_o0 * (alpha * b_f0)[:, None]
             b_o1 = b_o1 * (alpha * b_f1)[:, None]

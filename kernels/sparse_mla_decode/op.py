@@ -25,7 +25,7 @@ import triton
 
 from openmla.kernels.sparse_mla_decode import sm90 as _sm90
 from openmla.kernels.sparse_mla_decode import sm90_kn as _kn
-from openmla.kernels.sparse_mla_decode.config import _pick_config, _pick_splits, _split_chunk
+from openmla.kernels.sparse_mla_decode.config import _head_blocks, _pick_config, _splits, _triton_config
 from openmla.kernels.sparse_mla_decode.model1_kernel import sparse_mla_decode_model1_kernel
 from openmla.kernels.sparse_mla_decode.triton_kernel import (sparse_mla_decode_kernel,
                                                              sparse_mla_decode_merge_kernel)
@@ -51,6 +51,24 @@ _SM90 = FastLaunch(_sm90.sparse_mla_decode_sm90_kernel) if _sm90._GLUON else Non
 _KN = FastLaunch(_kn.sparse_mla_decode_sm90_kn_kernel) if _kn._GLUON else None
 
 
+def _new_plan(key, make, *args):
+    """make(*args), kept in the plan cache under key."""
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    plan = _PLANS[key] = make(*args)
+    return plan
+
+
+def _partials(lse, num_splits, fmt, always=False):
+    """Per-split partial out [T, S, H, d_v] and lse [T, S, H] (fp32) for the merge; lse itself as
+    a placeholder (never written) when one split writes the output directly."""
+    if num_splits == 1 and not always:
+        return lse, lse
+    T, H = lse.shape
+    return (torch.empty((T, num_splits, H, fmt.latent_dim), dtype=torch.float32, device=lse.device),
+            torch.empty((T, num_splits, H), dtype=torch.float32, device=lse.device))
+
+
 def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
     """(kernel launcher, grid, the int arguments before q's strides, the cache's row strides,
     constexprs, splits)."""
@@ -68,16 +86,10 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
         cfg = dict(BLOCK_H=_kn.block_h(H), BLOCK_N=_kn.BLOCK_N, occupancy=_kn.OCCUPANCY,
                    one_round=True, min_steps=_kn.MIN_STEPS)
     else:
-        cfg = _pick_config(q, H)
-        if config:
-            cfg.update(config)
-    block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
+        cfg = _triton_config(q, H, config)
+    block_h, num_hb = _head_blocks(cfg, H)
     block_n = cfg["BLOCK_N"]
-    num_hb = triton.cdiv(H, block_h)
-    if num_splits is None:
-        num_splits = _pick_splits(T, num_hb, topk, cfg, num_sms(q.device))
-    chunk = _split_chunk(topk, num_splits, block_n)
-    num_splits = triton.cdiv(topk, chunk)
+    chunk, num_splits = _splits(T, num_hb, topk, cfg, num_splits, num_sms(q.device))
     split = num_splits > 1
 
     num_blocks, block_size, _ = cache.shape
@@ -116,18 +128,10 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
            attn_sink is None,
            tuple(sorted(config.items())) if config else None, num_splits, sm90_gluon(q.device),
            arch_of(q.device))  # the path and e4m3 mode follow the device (or an assumed one)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config,
-                                          num_splits)
+    plan = _PLANS.get(key) or _new_plan(key, _plan_launch, q, cache, indices, topk_length, attn_sink,
+                                        fmt, config, num_splits)
     kernel, grid, ints, cache_strides, consts, num_splits = plan
-    if num_splits > 1:
-        po = torch.empty((T, num_splits, H, fmt.latent_dim), dtype=torch.float32, device=q.device)
-        plse = torch.empty((T, num_splits, H), dtype=torch.float32, device=q.device)
-    else:
-        po = plse = lse  # unused
+    po, plse = _partials(lse, num_splits, fmt)
     sink = attn_sink if attn_sink is not None else lse
     length = topk_length if topk_length is not None else lse
     args = (q, cache, indices, length, sink, out, lse, po, plse, *ints, q.stride(0), q.stride(1),
@@ -172,19 +176,13 @@ def _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt, config, num
     64-wide accumulators for four 128-wide ones)."""
     T, H, _ = q.shape
     topk = indices.shape[1]
-    cfg = _pick_config(q, H)
-    if config:
-        cfg.update(config)
-    block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
+    cfg = _triton_config(q, H, config)
+    block_h, num_hb = _head_blocks(cfg, H)
     block_n = cfg["BLOCK_N"]
-    num_hb = triton.cdiv(H, block_h)
     xtopk = extra_indices.shape[1] if extra_cache is not None else 0
     xstart = triton.cdiv(topk, block_n) * block_n
     joined = xstart + xtopk if xtopk else topk
-    if num_splits is None:
-        num_splits = _pick_splits(T, num_hb, joined, cfg, num_sms(q.device))
-    chunk = _split_chunk(joined, num_splits, block_n)
-    num_splits = triton.cdiv(joined, chunk)
+    chunk, num_splits = _splits(T, num_hb, joined, cfg, num_splits, num_sms(q.device))
     nb, bs = cache.shape[:2]
     xnb, xbs = extra_cache.shape[:2] if xtopk else (1, 1)
     ints = (H, topk, xtopk, xstart, chunk, num_hb, num_splits, nb * bs, bs, xnb * xbs, xbs)
@@ -213,18 +211,10 @@ def _launch_model1(q, cache, indices, topk_length, attn_sink, out, scale, fmt, e
            tuple(extra_cache.shape[:2]) if extra else None, extra_indices.shape[1] if extra else 0,
            stride_xb, tuple(sorted(config.items())) if config else None, num_splits,
            arch_of(q.device))
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt,
-                                          config, num_splits)
+    plan = _PLANS.get(key) or _new_plan(key, _plan_model1, q, cache, indices, extra_cache,
+                                        extra_indices, fmt, config, num_splits)
     grid, ints, consts, num_splits = plan
-    if num_splits > 1:
-        po = torch.empty((T, num_splits, H, fmt.latent_dim), dtype=torch.float32, device=q.device)
-        plse = torch.empty((T, num_splits, H), dtype=torch.float32, device=q.device)
-    else:
-        po = plse = lse  # unused
+    po, plse = _partials(lse, num_splits, fmt)
     sink = attn_sink if attn_sink is not None else lse
     length = topk_length if topk_length is not None else lse
     xlength = extra_topk_length if extra_topk_length is not None else lse
@@ -265,8 +255,7 @@ def _launch_extra(q, cache, indices, topk_length, attn_sink, out, scale, fmt, ex
     parts = [_plan_launch(q, c, i, n, None, fmt, pinned, None)
              for c, i, n in ((cache, indices, topk_length), (extra_cache, extra_indices, extra_topk_length))]
     total = sum(p[-1] for p in parts)
-    po = torch.empty((T, total, H, fmt.latent_dim), dtype=torch.float32, device=q.device)
-    plse = torch.empty((T, total, H), dtype=torch.float32, device=q.device)
+    po, plse = _partials(lse, total, fmt, always=True)
     first = 0
     for (kernel, grid, ints, strides, consts, splits), c, i, n in zip(
             parts, (cache, extra_cache), (indices, extra_indices), (topk_length, extra_topk_length)):

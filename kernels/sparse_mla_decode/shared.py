@@ -44,3 +44,18 @@ def sink_factor(sink_ptr, o_h, m_h, b_lse):
     b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=0.0)
     f = 1.0 / (1.0 + tl.exp(b_sink - tl.where(b_lse == float("-inf"), 0.0, b_lse)))
     return tl.where(b_lse == float("-inf"), 0.0, f)
+
+
+@triton.jit
+def softmax_step(b_m, b_l, b_sc):
+    """One block of log2-domain scores b_sc [BLOCK_H, BLOCK_N] (-inf where a key is not counted)
+    folded into the running max b_m and sum b_l [BLOCK_H] (Triton kernels: it reduces over keys). Returns (m_new, alpha, p, l_new, grow):
+    alpha rescales what was accumulated before, p = exp2(b_sc - m_new), grow is 1 when some row's
+    max rose (the accumulators need rescaling), else 0."""
+    m_new = tl.maximum(b_m, tl.max(b_sc, 1))
+    # a row with no valid key so far keeps m = -inf; subtract 0 instead to avoid inf - inf
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(b_m - m_use)
+    b_p = tl.exp2(b_sc - m_use[:, None])
+    grow = tl.max(tl.where(m_new > b_m, 1, 0), 0)
+    return m_new, alpha, b_p, b_l * alpha + tl.sum(b_p, 1), grow

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_factor, keep_faults, pow2_at_least,
-                                                      sink_factor, split_range)
+                                                      sink_factor, softmax_step, split_range)
 from openmla.kernels.merge import merge_finish, merge_step
 from openmla.quant.e4m3 import e4m3_to_f16
 
@@ -154,15 +154,8 @@ def sparse_mla_decode_kernel(
         # a NaN or inf score of a valid key turns NaN (kernels/softmax.py): the row ends NaN
         b_sc = tl.where(m_kv[None, :], keep_faults(b_sc), float("-inf"))
 
-        m_new = tl.maximum(b_m, tl.max(b_sc, 1))
-        # a row with no valid key so far keeps m = -inf; subtract 0 instead to avoid inf - inf
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(b_m - m_use)
-        b_p = tl.exp2(b_sc - m_use[:, None])
-        b_l = b_l * alpha + tl.sum(b_p, 1)
         # rescale the accumulators only when some factor changed (rare once the max settles)
-        grow = tl.max(tl.where(m_new > b_m, 1, 0), 0)
-        b_m = m_new
+        b_m, alpha, b_p, b_l, grow = softmax_step(b_m, b_l, b_sc)
         if FP8:
             # fp16 P_t = P * s_t / R_t in [0, 1] with R_t a power of two >= every tile-t scale so
             # far; the accumulator of tile t is kept in units of R_t
