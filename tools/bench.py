@@ -23,6 +23,7 @@ difference of out and lse) and from the oracle. Without it those columns say "no
     PYTHONPATH=. python3 tools/bench.py --op sparse_mla_decode --shapes standard --out decode.json
     PYTHONPATH=. python3 tools/bench.py --op all --compare old.json
     python tools/bench.py --shapes small      # no GPU: Triton interpreter, timings meaningless
+    PYTHONPATH=. python3 tools/bench.py --op sparse_mla_decode --paths both   # Hopper: Gluon and Triton kernels
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set here) and
 only the `small` shape sets are accepted; eager times are not measured there unless
@@ -55,6 +56,7 @@ from openmla.tools._bench_core import GPU, REGISTRY, Case, NotMeasured, Op, Peer
 from openmla.tools import _bench_mla  # noqa: E402,F401
 from openmla.tools import _bench_mha  # noqa: E402,F401
 from openmla.tools import _bench_step  # noqa: E402,F401
+from openmla.tools import _bench_indexer  # noqa: E402,F401
 from openmla.tools import _bench_peer  # noqa: E402
 from openmla.quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor  # noqa: E402,F401  (tools/sweep.py)
 from triton.runtime.errors import InterpreterError  # noqa: E402
@@ -186,6 +188,7 @@ def run_case(op: Op, params: dict, device, skip_ref: bool = False, peer: tuple =
     if check:
         case.rel_err = op.error(x, out)
         case.extra["check"] = "oracle"
+        case.extra.update(x.get("report", {}))  # what an op's check measured besides the error
         if not math.isfinite(case.rel_err) or case.rel_err > 2e-2:
             raise RuntimeError(f"{op.name} {case.name}: relative L2 error {case.rel_err:.3g} against the "
                                f"fp32 oracle; refusing to time a wrong result")
@@ -381,6 +384,51 @@ def table(cases: list[Case], ceil: dict) -> str:
     return "\n".join(lines)
 
 
+# Ops whose dispatch runs Hopper Gluon kernels (kernels/*/sm90*.py): --paths both times them twice
+GLUON_OPS = ("sparse_mla_decode", "sparse_mla_prefill", "flashmla_compat_decode", "sparse_mla_impl_decode",
+             "sparse_mla_step")
+
+
+def _paths(choice: str, op_name: str, device) -> tuple:
+    """The kernel paths to time an op on: None (the dispatch's own) and/or "triton"."""
+    from openmla.kernels.device import arch_of
+    if choice == "gluon" or (choice == "both" and (op_name not in GLUON_OPS or device.type != "cuda"
+                                                   or not arch_of(device).gluon_sm90)):
+        return (None,)
+    return ("triton",) if choice == "triton" else (None, "triton")
+
+
+def _run_on_path(path, op, params, device, **kw) -> Case:
+    """run_case, with OPENMLA_SM90_GLUON=0 for the "triton" path (read by the dispatch at each call)."""
+    if path is None:
+        return run_case(op, params, device, **kw)
+    old = os.environ.get("OPENMLA_SM90_GLUON")
+    os.environ["OPENMLA_SM90_GLUON"] = "0"
+    try:
+        c = run_case(op, params, device, **kw)
+    finally:
+        if old is None:
+            del os.environ["OPENMLA_SM90_GLUON"]
+        else:
+            os.environ["OPENMLA_SM90_GLUON"] = old
+    c.name += " [triton]"
+    c.extra["path"] = "triton (OPENMLA_SM90_GLUON=0)"
+    return c
+
+
+def _print_case(c: Case, op: Op) -> None:
+    line = f"  {c.op} {c.name}: {c.ms:.4f} ms, eager {_ms(c.eager_ms)}"
+    if "captured_ms" in c.extra:
+        line += f", captured {c.extra['captured_ms']:.4f}"
+    if op.peer is not None:
+        rec = c.extra["peer"]
+        line += (f", FlashMLA {c.peer_ms:.4f} ms (eager {_ms(c.peer_eager_ms)}), max abs diff out "
+                 f"{rec['max_abs_out']:.1e} lse {rec['max_abs_lse']:.1e}" if rec["status"] == "measured"
+                 else f", FlashMLA {rec['status']}")
+    print(line + f" (torch ref {c.ref_ms:.4f} ms), rel err {_err(asdict(c))}",
+          file=sys.stderr if not GPU else sys.stdout, flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--op", default="all", help=f"'all', or one or more (comma-separated) of {sorted(REGISTRY)}")
@@ -394,6 +442,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-repeats", type=int, default=EAGER_REPEATS, metavar="N",
                     help=f"repeats of the eager loop, median reported (default {EAGER_REPEATS})")
     ap.add_argument("--no-peer", action="store_true", help="do not time FlashMLA even where it is importable")
+    ap.add_argument("--paths", choices=("gluon", "triton", "both"), default="gluon",
+                    help="on Hopper: the dispatch's own kernels (gluon, default), the portable Triton kernels "
+                    "(OPENMLA_SM90_GLUON=0, what other GPUs run; cases named '... [triton]'), or both, one "
+                    "after the other, for the ops with Gluon kernels")
     ap.add_argument("--out", help="write JSON here")
     ap.add_argument("--compare", help="a previous JSON: print time ratios old/new")
     ap.add_argument("--report", metavar="JSON", help="print markdown for docs/benchmarks.md from a saved run; no GPU")
@@ -437,18 +489,10 @@ def main(argv=None) -> int:
         for p in op.shape_sets[shapes]:
             if args.heads and p.get("heads") not in args.heads:
                 continue
-            c = run_case(op, p, device, skip_ref=args.no_ref, peer=peer, eager=eager)
-            line = f"  {c.op} {c.name}: {c.ms:.4f} ms, eager {_ms(c.eager_ms)}"
-            if "captured_ms" in c.extra:
-                line += f", captured {c.extra['captured_ms']:.4f}"
-            if op.peer is not None:
-                rec = c.extra["peer"]
-                line += (f", FlashMLA {c.peer_ms:.4f} ms (eager {_ms(c.peer_eager_ms)}), max abs diff out "
-                         f"{rec['max_abs_out']:.1e} lse {rec['max_abs_lse']:.1e}" if rec["status"] == "measured"
-                         else f", FlashMLA {rec['status']}")
-            print(line + f" (torch ref {c.ref_ms:.4f} ms), rel err {_err(asdict(c))}",
-                  file=sys.stderr if not GPU else sys.stdout, flush=True)
-            cases.append(c)
+            for path in _paths(args.paths, n, device):
+                c = _run_on_path(path, op, p, device, skip_ref=args.no_ref, peer=peer, eager=eager)
+                _print_case(c, op)
+                cases.append(c)
     print(table(cases, ceil))
     result = {
         "device": device_name, "date": datetime.date.today().isoformat(),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from openmla.kernels import reference
-from openmla.quant import FP8_DS_MLA, FP8DSMLAFormat
+from openmla.quant import FP8_DS_MLA, FP8_MODEL1, FP8DSMLAFormat
 from tests.helpers import DEVICE, assert_close
 from openmla.tools import bench, docs, sweep
 
@@ -62,7 +62,7 @@ def test_sweep_default_grid_is_complete(default_sweep):
     # the cases come from the registry: every format a bf16 model has (not auto, which is its
     # bf16 row, nor an fp16 model's cache), int8 also with K smoothing; all measured, none pending
     assert [(f.family, f.name) for f in sweep.FORMATS] == [
-        ("mla", "bf16"), ("mla", "fp8_ds_mla"), ("mla", "fp8_ds_mla_raw"), ("mha", "bf16"),
+        ("mla", "bf16"), ("mla", "fp8_ds_mla"), ("mla", "fp8_ds_mla_raw"), ("mla_v4", "fp8_model1"), ("mha", "bf16"),
         ("mha", "fp8"), ("mha", "int8_qkv"), ("mha", "int8_qkv_smooth"), ("mha", "int8_qk"),
         ("mha", "int8_qk_smooth")]
     assert result["pending"] == []
@@ -73,7 +73,7 @@ def test_sweep_default_grid_is_complete(default_sweep):
 def test_sweep_prints_the_numbers_it_computed(default_sweep):
     printed, result, csv_path = default_sweep
     lines = {}
-    for fam in ("mla", "mha"):
+    for fam in ("mla", "mla_v4", "mha"):
         for cells in _table_rows(printed, fam):
             lines[tuple(cells[1:4])] = cells
     keys = ("rel_l2", "max_abs", "cosine_min", "lse_abs")
@@ -115,6 +115,33 @@ def test_sweep_numbers_are_the_oracles(default_sweep):
     rel = float((got[0].double() - want[0].double()).norm() / want[0].double().norm())
     assert math.isclose(row["format_err"]["rel_l2"], rel, rel_tol=1e-9)
     assert math.isclose(row["format_err"]["lse_abs"], float((got[1] - want[2]).abs().max()), rel_tol=1e-6)
+
+
+def test_sweep_v4_rows_are_the_oracles(default_sweep):
+    """The DeepSeek-V4 rows: decode oracle over an FP8_MODEL1 cache packed here, against the
+    oracle over the bf16 tokens (nope 448 | rope 64), scale 1/sqrt(512)."""
+    _, result, _ = default_sweep
+    dev = "cuda" if sweep.GPU else "cpu"
+    row = next(r for r in result["rows"] if (r["family"], r["data"]) == ("mla_v4", "outliers"))
+    shape = {k: row[k] for k in ("tokens", "heads", "topk", "slots", "block_size")}
+    gen = torch.Generator(device=dev).manual_seed(sweep.case_seed(0, "mla_v4", row["shape"], "outliers"))
+    _, x = sweep._mla_v4_inputs(shape, "outliers", gen, dev)
+    assert x["q"].shape[-1] == x["k"].shape[-1] == 512 and x["k"].dtype == torch.bfloat16
+    cache = FP8_MODEL1.pack(x["k"].view(-1, shape["block_size"], 1, 512))
+    got = reference.sparse_mla_decode_ref(x["q"], cache, x["indices"], scale=512 ** -0.5)
+    want = reference.sparse_mla_ref(x["q"], x["k"], x["indices"], scale=512 ** -0.5)
+    rel = float((got[0].double() - want[0].double()).norm() / want[0].double().norm())
+    assert math.isclose(row["format_err"]["rel_l2"], rel, rel_tol=1e-9)
+    assert 5e-3 < rel < 0.3
+
+
+def test_sweep_round_trip_of_the_v4_format():
+    kv_c, k_pe = sweep.make_latents("outliers", 64, torch.Generator().manual_seed(2))
+    r = sweep.round_trip_errors(FP8_MODEL1, kv_c, k_pe)
+    assert r["rope_exact"] and 5e-3 < r["latent_rel_l2"] < 0.1 and r["cosine"] > 0.999
+    k = torch.cat([kv_c[:, :448], k_pe], -1).double()  # the errors are those of the 512-wide token
+    back = FP8_MODEL1.unpack(FP8_MODEL1.pack(k.bfloat16().view(-1, 1, 512))).view(-1, 512).double()
+    assert math.isclose(r["rel_l2"], float((back - k).norm() / k.norm()), rel_tol=1e-12)
 
 
 def test_sweep_values_are_plausible(default_sweep):
@@ -453,3 +480,37 @@ def test_assert_close_accepts_within_tolerance():
     w = torch.tensor([1.0, -2.0, float("-inf"), 1e-9])
     assert_close("x", w * (1 + 1e-6), w, "fp32")
     assert_close("x", w + 9e-4, w, "sparse_decode")
+
+
+def test_bench_paths_time_the_triton_kernels_under_their_switch(monkeypatch):
+    """--paths: "triton" runs a case with OPENMLA_SM90_GLUON=0 (and restores the caller's value),
+    names it "[triton]"; "both" asks for two runs only where Gluon kernels could run."""
+    import torch
+    from openmla.tools import bench
+    seen = []
+
+    def fake_run_case(op, params, device, **kw):
+        seen.append(os.environ.get("OPENMLA_SM90_GLUON"))
+        return bench.Case(op=op.name, name="c", params=params, flops=0, bytes=0)
+
+    monkeypatch.setattr(bench, "run_case", fake_run_case)
+    monkeypatch.setenv("OPENMLA_SM90_GLUON", "1")
+    op = bench.REGISTRY["sparse_mla_decode"]
+    c = bench._run_on_path("triton", op, {}, torch.device("cpu"))
+    assert seen == ["0"] and c.name == "c [triton]" and "triton" in c.extra["path"]
+    assert os.environ["OPENMLA_SM90_GLUON"] == "1"
+    monkeypatch.delenv("OPENMLA_SM90_GLUON")
+    bench._run_on_path(None, op, {}, torch.device("cpu"))
+    bench._run_on_path("triton", op, {}, torch.device("cpu"))
+    assert seen[1:] == [None, "0"] and "OPENMLA_SM90_GLUON" not in os.environ
+    cpu = torch.device("cpu")
+    assert bench._paths("gluon", "sparse_mla_decode", cpu) == (None,)
+    assert bench._paths("triton", "paged_attention", cpu) == ("triton",)
+    assert bench._paths("both", "sparse_mla_decode", cpu) == (None,)  # no Gluon off Hopper
+    assert bench._paths("both", "paged_attention", cpu) == (None,)
+    from openmla.kernels import device as kdevice
+    with kdevice.assume(kdevice.ARCHES["sm_90"]):
+        assert bench._paths("both", "sparse_mla_decode", torch.device("cuda")) == (None, "triton")
+        assert bench._paths("both", "paged_attention", torch.device("cuda")) == (None,)
+    with kdevice.assume(kdevice.ARCHES["sm_80"]):
+        assert bench._paths("both", "sparse_mla_prefill", torch.device("cuda")) == (None,)
