@@ -56,6 +56,7 @@ from openmla.tools._bench_core import GPU, REGISTRY, Case, NotMeasured, Op, Peer
 from openmla.tools import _bench_mla  # noqa: E402,F401
 from openmla.tools import _bench_mha  # noqa: E402,F401
 from openmla.tools import _bench_step  # noqa: E402,F401
+from openmla.tools import _bench_indexer  # noqa: E402,F401
 from openmla.tools import _bench_peer  # noqa: E402
 from openmla.quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor  # noqa: E402,F401  (tools/sweep.py)
 from triton.runtime.errors import InterpreterError  # noqa: E402
@@ -187,6 +188,7 @@ def run_case(op: Op, params: dict, device, skip_ref: bool = False, peer: tuple =
     if check:
         case.rel_err = op.error(x, out)
         case.extra["check"] = "oracle"
+        case.extra.update(x.get("report", {}))  # what an op's check measured besides the error
         if not math.isfinite(case.rel_err) or case.rel_err > 2e-2:
             raise RuntimeError(f"{op.name} {case.name}: relative L2 error {case.rel_err:.3g} against the "
                                f"fp32 oracle; refusing to time a wrong result")
