@@ -2,8 +2,8 @@
 """Accuracy sweep: what each KV cache format costs in ATTENTION OUTPUTS, against bf16 and fp32.
 
 For every cache format of the registry (quant.CACHE_FORMATS: sparse MLA bf16, fp8_ds_mla with
-pow2 and raw scales; MHA bf16, fp8 per-tensor, int8_qkv / int8_qk with and without K smoothing;
-not the model-dtype caches of other models: the sweep's model is bf16, so `auto` is its bf16 row
+pow2 and raw scales, DeepSeek-V4's fp8_model1 (family mla_v4: d_qk 512); MHA bf16, fp8
+per-tensor, int8_qkv / int8_qk with and without K smoothing; not the model-dtype caches of other models: the sweep's model is bf16, so `auto` is its bf16 row
 and an fp16 cache belongs to fp16 models), a grid of shapes and data
 kinds (gaussian; outlier channels; heavy-tailed Student-t(3)), it reports the error of the
 attention output and lse against
@@ -59,6 +59,8 @@ from openmla.tools.bench import fp8_per_tensor, git_revision  # noqa: E402  (ben
 DATA_KINDS = ("gaussian", "outliers", "heavy_tailed")
 MLA_SCALE = 192 ** -0.5  # DeepSeek V2/V3: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), no mscale
 D_LATENT, D_ROPE = 512, 64
+D_V4 = 512  # DeepSeek-V4 (FlashMLA MODEL1): d_qk = d_v = 448 nope + 64 rope
+V4_SCALE = D_V4 ** -0.5
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,16 +96,23 @@ def make_latents(kind: str, tokens: int, gen: torch.Generator):
 
 
 def round_trip_errors(fmt, kv_c: torch.Tensor, k_pe: torch.Tensor) -> dict:
-    """Errors of unpack(pack(x)) against x (the bf16 input, taken as exact), over all 576 dims."""
-    ref = torch.cat([kv_c, k_pe], dim=-1).double()
-    got = fmt.unpack(fmt.pack(kv_c, k_pe)).double()
+    """Errors of unpack(pack(x)) against x (the bf16 input, taken as exact), over all head_dim
+    dims (576; DeepSeek-V4's 512 = the first 448 latent dims as its nope | the rope, packed one
+    token a block); "latent" is the quantized part (latent, or V4's nope)."""
+    if fmt.head_dim == D_V4:
+        k = torch.cat([kv_c[:, : D_V4 - D_ROPE], k_pe], dim=-1)
+        ref, got = k.double(), fmt.unpack(fmt.pack(k.unsqueeze(1))).squeeze(1).double()
+    else:
+        ref = torch.cat([kv_c, k_pe], dim=-1).double()
+        got = fmt.unpack(fmt.pack(kv_c, k_pe)).double()
     diff = got - ref
+    q = ref.shape[-1] - D_ROPE
     return {
         "rel_l2": float(diff.norm() / ref.norm()),
         "max_abs": float(diff.abs().max()),
         "cosine": float((got * ref).sum() / (got.norm() * ref.norm())),
-        "latent_rel_l2": float(diff[:, :D_LATENT].norm() / ref[:, :D_LATENT].norm()),
-        "rope_exact": bool(torch.equal(got[:, D_LATENT:], ref[:, D_LATENT:])),
+        "latent_rel_l2": float(diff[:, :q].norm() / ref[:, :q].norm()),
+        "rope_exact": bool(torch.equal(got[:, q:], ref[:, q:])),
     }
 
 
@@ -167,6 +176,21 @@ def _mla_case(fmt) -> Case:
         return sparse_mla_decode(x["q"], cache, x["indices"], scale=x["scale"], fmt=fmt)
 
     return Case(fmt.name, "mla", fmt.about, quantize, dequantize, kernel)
+
+
+def _mla_v4_case(fmt) -> Case:
+    """DeepSeek-V4 (d_qk 512, FP8_MODEL1): the cache is packed a page block at a time."""
+    def quantize(x):
+        return fmt.pack(x["k"].view(-1, x["block_size"], D_V4))
+
+    def dequantize(x, cache):
+        return {"q": x["q"], "kv": fmt.unpack(cache).reshape(-1, D_V4)}
+
+    def kernel(x, cache):
+        from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+        return sparse_mla_decode(x["q"], cache, x["indices"], scale=x["scale"], fmt=fmt)
+
+    return Case(fmt.name, "mla_v4", fmt.about, quantize, dequantize, kernel)
 
 
 def _mha_bf16_quantize(x):
@@ -248,7 +272,7 @@ def _int8_kernel(x, st, fmt):
 def cases_of(fmt) -> list:
     """The sweep's cases of one registry format, chosen by what its descriptor says."""
     if fmt.family == SPARSE_MLA:
-        return [] if fmt.blocked else [_mla_case(fmt)]
+        return [_mla_v4_case(fmt) if fmt.head_dim == D_V4 else _mla_case(fmt)]
     if fmt.k_int8:  # with and without per-channel K smoothing (calibrate_k_smooth)
         about = fmt.about + ("; V scale: abs-max of the values" if fmt.v_int8 else "")
         return [Case(fmt.name + ("_smooth" if smooth else ""), "mha",
@@ -297,6 +321,24 @@ def _mla_oracle(x: dict, t: dict):
     return out, lse
 
 
+def _mla_v4_inputs(shape: dict, kind: str, gen, device) -> tuple[dict, dict]:
+    """(fp32 inputs, bf16 inputs) of one DeepSeek-V4 sparse decode case: the MLA case's data with
+    the token cut to 448 nope (of the data kind) | 64 rope, q likewise, scale 1/sqrt(512)."""
+    pair = []
+    for x in _mla_inputs(shape, kind, gen, device):
+        q, nope = x["q"], D_V4 - D_ROPE
+        pair.append({"q": torch.cat([q[..., :nope], q[..., D_LATENT:]], dim=-1),
+                     "k": torch.cat([x["kv_c"][:, :nope], x["k_pe"]], dim=-1),
+                     "indices": x["indices"], "scale": V4_SCALE, "block_size": x["block_size"]})
+    return pair[0], pair[1]
+
+
+def _mla_v4_oracle(x: dict, t: dict):
+    kv = t["kv"] if "kv" in t else t["k"]
+    out, _, lse = reference.sparse_mla_ref(t["q"], kv, x["indices"], scale=x["scale"], d_v=D_V4)
+    return out, lse
+
+
 def _mha_inputs(shape: dict, kind: str, gen, device) -> tuple[dict, dict]:
     """(fp32 inputs, bf16 inputs) of one paged decode case: R requests, one query each."""
     R, H, Hkv, D, ctx, bs = (shape[k] for k in ("batch", "heads", "kv_heads", "head_dim", "context", "block_size"))
@@ -320,7 +362,8 @@ def _mha_oracle(x: dict, t: dict):
                                           causal=True)
 
 
-FAMILIES = {"mla": (_mla_inputs, _mla_oracle), "mha": (_mha_inputs, _mha_oracle)}
+FAMILIES = {"mla": (_mla_inputs, _mla_oracle), "mla_v4": (_mla_v4_inputs, _mla_v4_oracle),
+            "mha": (_mha_inputs, _mha_oracle)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,11 +379,15 @@ def _mha(h, hkv, ctx, bs, batch):
 GRIDS = {
     "default": {  # CPU-sized: float64 oracles only
         "mla": [_mla(h, k, 64, 8, 8192) for h in (16, 128) for k in (128, 2048)],
+        "mla_v4": [_mla(h, k, 64, 8, 8192) for h in (16, 128) for k in (128, 640)],
         "mha": [_mha(h, hkv, ctx, 16, 2) for h, hkv in ((8, 1), (32, 8)) for ctx in (512, 4096)],
     },
     "full": {  # GPU: DESIGN.md's head counts and topk, vLLM's block sizes
         "mla": [_mla(h, k, bs, 32, 65536) for h in (16, 32, 64, 128) for k in (128, 512, 2048)
                 for bs in (64, 16)],
+        # FlashMLA's MODEL1 decode shapes: 64 (V4 Flash) / 128 (Pro) heads, topk 128 + 512 / 1024
+        "mla_v4": [_mla(h, k, bs, 32, 65536) for h in (16, 64, 128) for k in (128, 640, 1152)
+                   for bs in (64, 256)],
         "mha": [_mha(h, hkv, ctx, bs, 4) for h, hkv in ((8, 1), (32, 8), (64, 8))
                 for ctx in (1024, 8192, 32768) for bs in (16, 64)],
     },
@@ -348,7 +395,7 @@ GRIDS = {
 
 
 def shape_label(family: str, s: dict) -> str:
-    if family == "mla":
+    if family.startswith("mla"):
         return f"T{s['tokens']}-H{s['heads']}-topk{s['topk']}-bs{s['block_size']}"
     return f"B{s['batch']}-H{s['heads']}/{s['kv_heads']}-D{s['head_dim']}-ctx{s['context']}-bs{s['block_size']}"
 
@@ -401,7 +448,7 @@ def round_trip(tokens: int, seed: int, kinds) -> list[dict]:
     rows = []
     for kind in kinds:
         kv_c, k_pe = make_latents(kind, tokens, torch.Generator().manual_seed(seed))
-        for fmt in (f for f in family_formats(SPARSE_MLA) if not f.blocked):
+        for fmt in family_formats(SPARSE_MLA):
             rows.append({"format": fmt.name, "data": kind, "tokens": tokens, **round_trip_errors(fmt, kv_c, k_pe)})
     return rows
 
@@ -457,7 +504,8 @@ def report(result: dict) -> str:
         f"Measured: {kern}. Against bf16 = fp32 oracle on the bf16 inputs; against fp32 = the same oracle on "
         f"the fp32 inputs before rounding. min cos: smallest cosine of one (token, head) output row; lse err: "
         f"max abs, natural log. format err: oracle on the dequantized cache vs oracle on the bf16 inputs; kernel "
-        f"err: kernel vs oracle on the dequantized cache (rel L2). Softmax scale: MLA 1/sqrt(192), MHA 1/sqrt(D). "
+        f"err: kernel vs oracle on the dequantized cache (rel L2). Softmax scale: MLA 1/sqrt(192), MLA V4 (DeepSeek-V4, d_qk 512: "
+        f"448 nope of the data kind | 64 rope) 1/sqrt(512), MHA 1/sqrt(D). "
         f"MLA: decode, topk distinct random slots; MHA: paged decode, one query per request, causal. Data: "
         f"q ~ N(0, 1); cache gaussian N(0, 1), outliers (1 channel in 64 times U(50, 200); q divided by the same "
         f"factor there, so scores keep their spread), heavy_tailed (Student-t, 3 degrees of freedom).",

@@ -215,7 +215,7 @@ def _tokens_swapped(family):
                         kernel)
 
 
-TINY = {"mla": [sweep._mla(16, 64, 16, 2, 256)], "mha": [sweep._mha(4, 2, 40, 16, 2)]}
+TINY = {"mla": [sweep._mla(16, 64, 16, 2, 256)], "mla_v4": [sweep._mla(16, 64, 16, 2, 256)], "mha": [sweep._mha(4, 2, 40, 16, 2)]}
 
 
 @pytest.mark.parametrize("family, make, where", [
