@@ -32,8 +32,9 @@ __all__ = [
 
 from .mla_gather import gather_upconvert  # noqa: E402  (Triton cache reader)
 from .mla_writer import write_mla_cache  # noqa: E402  (Triton cache writer)
+from .model1_writer import write_model1_cache  # noqa: E402  (DeepSeek-V4 cache writer)
 
-__all__ += ["write_mla_cache", "gather_upconvert"]
+__all__ += ["write_mla_cache", "gather_upconvert", "write_model1_cache"]
 
 from .kv_cache import write_kv_cache  # noqa: E402  (MHA paged KV cache writer)
 
