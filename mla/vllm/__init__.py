@@ -12,13 +12,15 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """Entry point of the `vllm.general_plugins` group: registers OPENMLA_SPARSE and OPENMLA_ATTN.
+    """Entry point of the `vllm.general_plugins` group: registers OPENMLA_SPARSE and OPENMLA_ATTN,
+    and openmla's DSA indexer in place of vLLM's `SparseAttnIndexer` (indexer.py).
 
     Registers the class paths only (vLLM imports a class when its backend is selected). Safe to
     call more than once (vLLM may load plugins again): a second call re-points the names."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from openmla.mla.vllm import attn, sparse
+    from openmla.mla.vllm import attn, indexer, sparse
+    indexer.register()
     for name, path in ((sparse.BACKEND_NAME, f"{sparse.__name__}.OpenMLASparseBackend"),
                        (attn.BACKEND_NAME, f"{attn.__name__}.OpenMLAAttentionBackend")):
         if name in AttentionBackendEnum.__members__:

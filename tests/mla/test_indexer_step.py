@@ -16,43 +16,20 @@ context in one batch, padding tokens, rows shorter and longer than topk.
 import pytest
 import torch
 
-from openmla.kernels.reference.indexer import (
-    indexer_q_quant_ref, mqa_logits_ref, paged_mqa_logits_ref, topk_per_row_ref,
-)
+from openmla.kernels.reference.indexer import mqa_logits_ref, paged_mqa_logits_ref, topk_per_row_ref
 from openmla.mla.sparse.impl import SparseMLAImpl
 from openmla.mla.sparse.indexer_step import (
     SparseAttentionStep, build_indexer_plan, indexer_plan_from_tokens, indexer_topk,
 )
-from openmla.quant.indexer_cache import INDEXER_K_FP8, INDEXER_K_FP8_RAW
+from openmla.quant.indexer_cache import INDEXER_K_FP8, INDEXER_K_FP8_RAW, write_indexer_k_cache
 from tests.helpers import DEVICE, assert_close, random_paged_cache
+from tests.helpers.indexer import D_INDEX, IndexInputs, assert_same_selection
 from tests.helpers.sparse import MIXED_BATCH, SCALE, V_DIM, Step, kv_b_proj_fp8, reference_weight
 
-D_INDEX = 128
 
-
-class IndexInputs:
-    """The index side of a Step: keys of every (request, position) written into a NaN-filled
-    strided index cache with the step's block table, and the indexer query of every token."""
-
-    def __init__(self, step, heads, fmt, seed):
-        g = torch.Generator().manual_seed(seed)
-        bs = step.cache.shape[1]
-        bt = step.block_table.cpu()
-        self.cache, _ = random_paged_cache(step.cache.shape[0], bs, fmt.bytes_per_token, torch.uint8)
-        self.fmt = fmt
-        slots, keys = [], []
-        for r, s in enumerate(step.seq):
-            for p in range(s):
-                slots.append(int(bt[r, p // bs]) * bs + p % bs)
-            keys.append(torch.randn(s, D_INDEX, generator=g) * torch.rand(s, 1, generator=g) * 4)
-        k = torch.cat(keys).to(torch.bfloat16)
-        from openmla.quant.indexer_cache import write_indexer_k_cache
-        write_indexer_k_cache(k.to(DEVICE), self.cache, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
-                              fmt=fmt)
-        q = torch.randn(step.T, heads, D_INDEX, generator=g).to(torch.bfloat16)
-        w = torch.randn(step.T, heads, generator=g)
-        self.q_fp8, self.weights = indexer_q_quant_ref(q.to(DEVICE), w.to(DEVICE), softmax_scale=D_INDEX ** -0.5,
-                                                       head_scale=heads ** -0.5)
+def index_inputs(step, heads, fmt, seed):
+    return IndexInputs(step.reqs, step.block_table, step.cache.shape[0], step.cache.shape[1], step.T,
+                       heads, fmt, seed)
 
 
 def reference_selection(step, idx, topk, threshold):
@@ -87,22 +64,6 @@ def reference_selection(step, idx, topk, threshold):
     return sel, logits_of
 
 
-def assert_same_selection(got, want, logits_of):
-    """Row by row the same set of positions; a position in one set only must tie (to fp32
-    rounding) with the weakest logit both keep, the only freedom the contract leaves."""
-    got = got.cpu()
-    for t in range(want.shape[0]):
-        a = set(got[t][got[t] >= 0].tolist())
-        b = set(want[t][want[t] >= 0].tolist())
-        assert len(a) == len(b) and len(got[t][got[t] >= 0]) == len(a), (t, sorted(a), sorted(b))
-        if a == b:
-            continue
-        lg = logits_of[t]
-        kth = min(float(lg[p]) for p in b)
-        for p in a ^ b:
-            assert abs(float(lg[p]) - kth) <= 1e-5 * max(1.0, abs(kth)), (t, p, float(lg[p]), kth)
-
-
 def token_context_lens(step):
     """Visible tokens of each token of the step: position + 1 in its request; 0 for padding."""
     out = []
@@ -130,12 +91,13 @@ def test_step_mixed_batch(kv, fp8_path, H, heads, bs, topk, fmt):
     impl.load_kv_b_proj(w8.to(DEVICE), s.to(DEVICE))
     step = Step(impl, MIXED_BATCH, block_size=bs, topk=topk, padding=2, seed=H + bs)
     plan = step.plan(impl, threshold=3)
-    idx = IndexInputs(step, heads, fmt, seed=bs)
+    idx = index_inputs(step, heads, fmt, seed=bs)
     iplan = build_indexer_plan(step.query_start_loc, step.seq_lens, step.block_table,
                                req_id_per_token=plan.req_id_per_token, max_context=64)
     assert iplan.context_lens.tolist() == token_context_lens(step)
 
     layer = SparseAttentionStep(impl, topk=topk, index_format=fmt)
+    layer.write_index_cache(idx.new_k, idx.cache, idx.slots)  # this step's keys; padding skipped
     sel = torch.empty(step.T, topk, dtype=torch.int32, device=DEVICE)
     out = layer.forward(step.q_nope, step.q_pe, step.cache, idx.q_fp8, idx.weights, idx.cache, plan,
                         iplan, topk_out=sel)
@@ -161,7 +123,8 @@ def test_long_rows_are_scored_in_blocks():
     impl = SparseMLAImpl(2, SCALE, "fp8_ds_mla", max_model_len=64)
     impl.load_kv_b_proj(*(t.to(DEVICE) for t in kv_b_proj_fp8(2, g)))
     step = Step(impl, MIXED_BATCH, block_size=16, topk=8, padding=1, seed=9)
-    idx = IndexInputs(step, 4, INDEXER_K_FP8, seed=3)
+    idx = index_inputs(step, 4, INDEXER_K_FP8, seed=3)
+    idx.write_new()
     iplan = build_indexer_plan(step.query_start_loc, step.seq_lens, step.block_table,
                                num_tokens=step.T, max_context=64)
     whole = indexer_topk(idx.q_fp8, idx.weights, idx.cache, iplan, topk=8)
@@ -204,7 +167,6 @@ def test_plan_from_tokens_and_padding_rows_select_nothing():
 def test_nan_key_in_a_visible_slot_is_selected():
     """Faults stay visible: a NaN key the token sees ranks first and is selected."""
     cache, _ = random_paged_cache(2, 4, INDEXER_K_FP8.bytes_per_token, torch.uint8)
-    from openmla.quant.indexer_cache import write_indexer_k_cache
     k = torch.randn(8, D_INDEX, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     k[5, 3] = float("nan")
     bt = torch.tensor([[1, 0]], dtype=torch.int32, device=DEVICE)

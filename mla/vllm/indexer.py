@@ -1,0 +1,221 @@
+"""vLLM 0.32 hookup of the DSA lightning indexer: openmla's Triton indexer in place of DeepGEMM.
+
+vLLM's DeepSeek-V3.2 `Indexer` (vllm/model_executor/models/deepseek_v2.py) builds a
+`SparseAttnIndexer`, a CustomOp whose CUDA path calls DeepGEMM's fp8 MQA logits and vLLM's
+top-k kernels, and whose constructor refuses a CUDA platform without DeepGEMM. `register()`
+(called by `openmla.mla.vllm.register`, the plugin entry point) registers
+`OpenMLASparseAttnIndexer` as its out-of-tree replacement through vLLM's own mechanism,
+`CustomOp.register_oot`: CustomOp.__new__ then instantiates our class wherever the model
+builds a SparseAttnIndexer. It takes the same constructor and forward arguments, so the model
+code is unchanged; every platform's forward (CUDA, ROCm, XPU, CPU, out-of-tree, native) runs
+openmla's op:
+
+    write the step's indexer keys into the layer's index-K cache (quant.indexer_cache),
+    fill topk_indices_buffer[:T] with -1, then for every token the top-k positions of its
+    request (mla.sparse.indexer_step.indexer_topk over vLLM's indexer metadata).
+
+The op reads vLLM's `DeepseekV32IndexerMetadata` (built by vLLM's indexer backend, which runs
+without DeepGEMM) from the forward context, as vLLM's own op does, and turns it into per-token
+requests and context lengths (`_plans`): decode tokens from the decode requests' lengths,
+prefill tokens from each chunk's row bounds. Nothing is gathered: the logits read the paged
+cache through the block table.
+
+It runs inside its own torch custom op, `torch.ops.vllm.openmla_sparse_attn_indexer`
+(opaque to torch.compile, mutating the top-k buffer, as vLLM's op), wrapped like vLLM's in
+`eager_break_during_capture`. Piecewise CUDA graphs split at vLLM's indexer op; the
+constructor adds ours to `compilation_config.splitting_ops` wherever vLLM's is listed there,
+so graphs split at the same place.
+
+OPENMLA_VLLM_INDEXER=0 in the environment keeps vLLM's own SparseAttnIndexer (DeepGEMM where
+it has it): register() then registers nothing.
+
+Not supported (NotImplementedError at construction): the MXFP4 cache (use_fp4_cache), KV
+compression (compress_ratio > 1, DeepSeek-V4), V4.1 candidate blocks, decode or prefill context
+parallelism, and skipping the cache insert (prefill context parallelism).
+"""
+# no `from __future__ import annotations`: torch infers the custom op's schema from the hints
+import os
+from typing import Optional
+
+import torch
+
+__all__ = ["OP_NAME", "register"]
+
+OP_NAME = "openmla_sparse_attn_indexer"  # torch.ops.vllm.<OP_NAME>
+_VLLM_OP = "vllm::sparse_attn_indexer"
+_LAYERS: dict = {}  # k_cache prefix -> our layer (the op finds its layer's settings by name)
+
+
+def register() -> None:
+    """Register OpenMLASparseAttnIndexer as vLLM's out-of-tree SparseAttnIndexer (once per
+    process; a second call keeps the first registration) and its custom op; nothing with
+    OPENMLA_VLLM_INDEXER=0."""
+    if os.environ.get("OPENMLA_VLLM_INDEXER", "1") == "0":
+        return
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+
+    if op_registry_oot.get(SparseAttnIndexer.__name__) is not None:
+        return
+    cls = _build_class(SparseAttnIndexer)
+    SparseAttnIndexer.register_oot(cls)
+
+
+def _register_op() -> None:
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    if hasattr(torch.ops.vllm, OP_NAME):
+        return
+    direct_register_custom_op(op_name=OP_NAME, op_func=eager_break_during_capture(_indexer_op),
+                              mutates_args=["topk_indices_buffer"], fake_impl=_indexer_op_fake,
+                              dispatch_key=current_platform.dispatch_key)
+
+
+def _indexer_op_fake(hidden_states: torch.Tensor, k_cache_prefix: str, kv_cache: torch.Tensor,
+                     q_fp8: torch.Tensor, k: Optional[torch.Tensor], weights: torch.Tensor,
+                     topk_indices_buffer: torch.Tensor) -> None:
+    return None
+
+
+def _indexer_op(hidden_states: torch.Tensor, k_cache_prefix: str, kv_cache: torch.Tensor,
+                q_fp8: torch.Tensor, k: Optional[torch.Tensor], weights: torch.Tensor,
+                topk_indices_buffer: torch.Tensor) -> None:
+    """One layer's indexer for the step in vLLM's forward context (module docstring)."""
+    from vllm.forward_context import get_forward_context
+
+    from openmla.mla.sparse.indexer_step import indexer_topk
+    from openmla.quant.indexer_cache import write_indexer_k_cache
+
+    layer = _LAYERS[k_cache_prefix]
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return None  # profiling / dummy run: no metadata, nothing to select
+    md = attn_metadata[k_cache_prefix]
+    T = hidden_states.shape[0]
+    slot_mapping = md.slot_mapping
+    if k is not None:
+        # k may be padded past the step's tokens (CUDA-graph batch sizes); slots cover the tokens
+        write_indexer_k_cache(k[:slot_mapping.shape[0]], kv_cache, slot_mapping, fmt=layer.index_format,
+                              check_slots=False)
+    buf = topk_indices_buffer[:T, :layer.topk_tokens]
+    buf.fill_(-1)
+    for t0, t1, plan in _plans(md, layer.max_model_len):
+        indexer_topk(q_fp8[t0:t1], weights[t0:t1], kv_cache, plan, topk=layer.topk_tokens,
+                     fmt=layer.index_format, out=buf[t0:t1])
+    return None
+
+
+def _plans(md, max_model_len: int):
+    """(token_start, token_end, IndexerPlan) of each part of a step from vLLM's
+    DeepseekV32IndexerMetadata `md` (its decode part, then every prefill chunk).
+
+    Decode: vLLM puts the decode requests first; request b has per_req_decode_lens[b] query
+    tokens, the last of them at position seq_lens[b] - 1 (mla.sparse.indexer_step's causal rule
+    over a query_start_loc of those lengths). Tokens past their sum (CUDA-graph padding) belong to
+    no request. The logits are max_model_len wide while a graph may be captured, else the step's
+    max_seq_len.
+    Prefill: chunk row i sees the gathered rows [ks[i], ke[i]) of vLLM's layout, which start at
+    its request's first row cu_seq_lens[r]: request r is the chunk's request whose first row is
+    ks[i] (the last one, when requests of no rows share a start), context length ke[i] - ks[i].
+    """
+    from openmla.mla.sparse.indexer_step import build_indexer_plan, indexer_plan_from_tokens
+
+    if md.num_decodes > 0 and md.num_decode_tokens > 0:
+        dec = md.decode
+        B, Td = md.num_decodes, md.num_decode_tokens
+        lens = dec.per_req_decode_lens[:B]
+        qsl = torch.zeros(B + 1, dtype=torch.int32, device=lens.device)
+        torch.cumsum(lens, 0, out=qsl[1:])
+        capturing = lens.is_cuda and torch.cuda.is_current_stream_capturing()
+        width = max_model_len if capturing else max(1, min(md.max_seq_len, max_model_len))
+        yield 0, Td, build_indexer_plan(qsl, md.seq_lens[:B], md.block_table[:B], num_tokens=Td,
+                                        max_context=width)
+    if md.num_prefills > 0 and md.prefill is not None:
+        width = max(1, md.prefill.max_prefill_seq_len)
+        for ch in md.prefill.chunks:
+            ks, ke = ch.cu_seqlen_ks, ch.cu_seqlen_ke
+            req = (torch.searchsorted(ch.cu_seq_lens, ks, right=True, out_int32=True) - 1)
+            yield ch.token_start, ch.token_end, indexer_plan_from_tokens(
+                req.to(torch.int32), (ke - ks).to(torch.int32), ch.block_table, max_context=width)
+
+
+def _build_class(SparseAttnIndexer):
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.custom_op import CustomOp
+
+    from openmla.quant.indexer_cache import indexer_k_format_of
+
+    _register_op()
+
+    class OpenMLASparseAttnIndexer(SparseAttnIndexer):
+        """vLLM's SparseAttnIndexer on openmla's Triton indexer (module docstring); the same
+        constructor and forward arguments."""
+
+        def __init__(self, k_cache, quant_block_size: int, scale_fmt: Optional[str], topk_tokens: int,
+                     head_dim: int, max_model_len: int, max_total_seq_len: int,
+                     topk_indices_buffer: torch.Tensor, skip_k_cache_insert: bool = False,
+                     use_fp4_cache: bool = False, compress_ratio: int = 1,
+                     candidate_blocks: Optional[torch.Tensor] = None, candidate_block_size: int = 0,
+                     candidate_write: bool = False):
+            # not SparseAttnIndexer.__init__: it refuses CUDA without DeepGEMM
+            CustomOp.__init__(self)
+            parallel = get_current_vllm_config().parallel_config
+            unsupported = [what for what, bad in (
+                ("use_fp4_cache (the MXFP4 indexer cache)", use_fp4_cache),
+                (f"compress_ratio={compress_ratio} (KV compression)", compress_ratio != 1),
+                ("candidate_blocks (two-level selection)", candidate_blocks is not None),
+                ("skip_k_cache_insert (prefill context parallelism)", skip_k_cache_insert),
+                ("decode context parallelism", parallel.decode_context_parallel_size > 1),
+                ("prefill context parallelism", parallel.prefill_context_parallel_size > 1),
+            ) if bad]
+            if unsupported:
+                raise NotImplementedError(f"openmla sparse_attn_indexer: {', '.join(unsupported)} "
+                                          "not supported")
+            fmt = indexer_k_format_of(scale_fmt)
+            if (head_dim, quant_block_size) != (fmt.head_dim, fmt.quant_block_size):
+                raise NotImplementedError(
+                    f"openmla sparse_attn_indexer: head_dim={head_dim}, quant_block_size="
+                    f"{quant_block_size}; supported: {fmt.head_dim}, {fmt.quant_block_size}")
+            self.k_cache = k_cache
+            self.quant_block_size = quant_block_size
+            self.scale_fmt = scale_fmt
+            self.index_format = fmt
+            self.topk_tokens = topk_tokens
+            self.head_dim = head_dim
+            self.max_model_len = max_model_len
+            self.max_total_seq_len = max_total_seq_len
+            self.topk_indices_buffer = topk_indices_buffer
+            self.skip_k_cache_insert = skip_k_cache_insert
+            self.use_fp4_cache = use_fp4_cache
+            self.compress_ratio = compress_ratio
+            self.candidate_blocks = candidate_blocks
+            self.candidate_block_size = candidate_block_size
+            self.candidate_write = candidate_write
+            self.dense_mha_metadata_layer_name = ""
+            self.dcp_world_size, self.dcp_rank, self.use_pcp = 1, 0, False
+            _LAYERS[k_cache.prefix] = self
+            splitting = get_current_vllm_config().compilation_config.splitting_ops
+            name = f"vllm::{OP_NAME}"
+            if isinstance(splitting, list) and _VLLM_OP in splitting and name not in splitting:
+                splitting.append(name)
+
+        def forward_native(self, hidden_states: torch.Tensor, q_quant, k: Optional[torch.Tensor],
+                           weights: torch.Tensor) -> torch.Tensor:
+            """hidden_states [T, *] (its length is the step's token count), q_quant [T, H, 128]
+            float8_e4m3fn, k [>= T, 128] bf16 (the step's new keys; None: already written),
+            weights [T, H] fp32 (q's per-token scale, softmax scale and H^-0.5 folded in, as the
+            model's Indexer computes them). Returns topk_indices_buffer, rows [:T] filled."""
+            if isinstance(q_quant, tuple):
+                raise NotImplementedError("openmla sparse_attn_indexer: an fp4 (values, scales) query")
+            torch.ops.vllm.openmla_sparse_attn_indexer(
+                hidden_states, self.k_cache.prefix, self.k_cache.kv_cache, q_quant, k, weights,
+                self.topk_indices_buffer)
+            return self.topk_indices_buffer
+
+        forward_cuda = forward_hip = forward_xpu = forward_cpu = forward_tpu = forward_oot = forward_native
+
+    OpenMLASparseAttnIndexer.__module__ = __name__
+    OpenMLASparseAttnIndexer.__qualname__ = OpenMLASparseAttnIndexer.__name__
+    return OpenMLASparseAttnIndexer
