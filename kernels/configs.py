@@ -40,6 +40,7 @@ Where each op stands:
     sparse_mla_prefill (Triton)   sparse_mla_prefill_kernel       autotune    H_BUCKET, TOPK_BUCKET,
                                                                               D_ROPE (576 or 512 rows)
     sparse_mla_decode (Triton)    sparse_mla_decode_kernel        select      H (<= 16 or more)
+    mqa_logits (DSA indexer)      mqa_logits_kernel               autotune    HP, CLEAN, FP8_DOT
 
 Not config spaces, on purpose:
 - The Gluon kernels for Hopper (`sparse_mla_*/sm90*.py`) are each written for one tile shape
@@ -48,6 +49,9 @@ Not config spaces, on purpose:
   not another config.
 - Small kernels with no tile choice (split-KV reductions and merges, index conversion, cache
   writers and gathers) launch with fixed num_warps.
+- The indexer's decode logits and top-k (`kernels/indexer/`) launch one fixed config, not yet
+  measured: the decode logits size their split count from the tile before launch and must be
+  capturable on their first call; the top-k is a loop of passes over one row.
 """
 from __future__ import annotations
 

@@ -49,31 +49,31 @@ def paged_mqa_logits_kernel(
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, D)
     p_out = out_ptr + (i_b * N + o_j.to(tl.int64))[:, None] * stride_or
+    # The tiles some row sees: no branch in this loop, so its loads pipeline.
     n_work = tl.cdiv(end_max, BLOCK_N)
-    if CLEAN:
-        n_tiles = tl.cdiv(max_model_len, BLOCK_N)
-    else:
-        n_tiles = n_work
-    for i_n in range(i_s, n_tiles, splits):
+    for i_n in range(i_s, n_work, splits):
         o_p = i_n * BLOCK_N + o_n
-        b_out = tl.full([NP, BLOCK_N], float("-inf"), tl.float32)
-        if i_n < n_work:
-            i_pg = o_p // block_size
-            m_tab = (o_p < end_max) & (i_pg < table_width)
-            page = tl.load(bt_ptr + i_b * stride_bt + i_pg, mask=m_tab, other=-1).to(tl.int64)
-            # An invalid page holds no key: it is never read and its positions stay -inf.
-            m_k = m_tab & (page >= 0) & (page < num_blocks)
-            page = tl.where(m_k, page, 0)
-            o_off = o_p % block_size
-            p_k = cache_ptr + page[:, None] * stride_cb + o_off[:, None] * D + o_d[None, :]
-            b_k = tl.load(p_k, mask=m_k[:, None], other=0)
-            # scale_ptr is the cache as fp32 words: block stride / 4, scales after block_size * D bytes
-            b_sc = tl.load(scale_ptr + page * (stride_cb // 4) + block_size * (D // 4) + o_off,
-                           mask=m_k, other=0.0)
-            b_l = weighted_relu_logits(b_q, b_w, as_dot_operand(b_k, FP8_DOT, E4M3), b_sc, NP, HP, BLOCK_N)
-            m_vis = (o_p[None, :] < b_end[:, None]) & m_k[None, :]
-            b_out = tl.where(m_vis, b_l, float("-inf"))
+        i_pg = o_p // block_size
+        m_tab = (o_p < end_max) & (i_pg < table_width)
+        page = tl.load(bt_ptr + i_b * stride_bt + i_pg, mask=m_tab, other=-1).to(tl.int64)
+        # An invalid page holds no key: it is never read and its positions stay -inf.
+        m_k = m_tab & (page >= 0) & (page < num_blocks)
+        page = tl.where(m_k, page, 0)
+        o_off = o_p % block_size
+        p_k = cache_ptr + page[:, None] * stride_cb + o_off[:, None] * D + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_k[:, None], other=0)
+        # scale_ptr is the cache as fp32 words: block stride / 4, scales after block_size * D bytes
+        b_sc = tl.load(scale_ptr + page * (stride_cb // 4) + block_size * (D // 4) + o_off,
+                       mask=m_k, other=0.0)
+        b_l = weighted_relu_logits(b_q, b_w, as_dot_operand(b_k, FP8_DOT, E4M3), b_sc, NP, HP, BLOCK_N)
+        m_vis = (o_p[None, :] < b_end[:, None]) & m_k[None, :]
+        b_out = tl.where(m_vis, b_l, float("-inf"))
         tl.store(p_out + o_p[None, :], b_out, mask=m_j[:, None] & (o_p[None, :] < max_model_len))
+    if CLEAN:  # the rest of the row: -inf
+        b_inf = tl.full([NP, BLOCK_N], float("-inf"), tl.float32)
+        for i_n in range(n_work + i_s, tl.cdiv(max_model_len, BLOCK_N), splits):
+            o_p = i_n * BLOCK_N + o_n
+            tl.store(p_out + o_p[None, :], b_inf, mask=m_j[:, None] & (o_p[None, :] < max_model_len))
 
 
 def _splits(device, batch: int, tiles: int) -> int:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, topk_per_row
+from openmla.kernels.indexer.mqa_logits import MQA_LOGITS_CONFIGS, mqa_logits_kernel
 from openmla.kernels.reference import (indexer_q_quant_ref, indexer_topk_ref, mqa_logits_ref,
                                        paged_mqa_logits_ref, topk_per_row_ref)
 from openmla.quant.indexer_cache import INDEXER_K_FP8, write_indexer_k_cache
@@ -120,6 +121,20 @@ RAGGED = [  # (ks, ke, S)
 ]
 
 
+def _only_config(monkeypatch, i):
+    """Run mqa_logits with candidate i of its config space only (every tile shape is tested)."""
+    cfg = MQA_LOGITS_CONFIGS.candidates[i]
+    monkeypatch.setattr(mqa_logits_kernel, "configs", [cfg])
+    monkeypatch.setattr(mqa_logits_kernel, "cache", {})
+    return cfg
+
+
+@pytest.mark.parametrize("config", range(len(MQA_LOGITS_CONFIGS.candidates)))
+def test_ragged_logits_every_config(config, monkeypatch):
+    _only_config(monkeypatch, config)
+    test_ragged_logits([0, 3, 10, 140, 7, 20, -5], [40, 3, 100, 150, 2, 400, 6], 150, 16)
+
+
 @pytest.mark.parametrize("H", [64, 8])
 @pytest.mark.parametrize("ks,ke,S", RAGGED)
 def test_ragged_logits(ks, ke, S, H):
@@ -137,9 +152,9 @@ def test_ragged_logits(ks, ke, S, H):
     k_sc[~seen.to(DEVICE)] = float("nan")
     k8 = k_vals.view(torch.float8_e4m3fn)
     want = mqa_logits_ref(q, w, k8, k_sc[:, 0], ks_t, ke_t)
-    got = mqa_logits(q, w, k8, k_sc[:, 0].contiguous(), ks_t, ke_t, block_n=32)
+    got = mqa_logits(q, w, k8, k_sc[:, 0].contiguous(), ks_t, ke_t)
     assert_close("logits", got, want)
-    got_u = mqa_logits(q, w, k8, k_sc[:, 0].contiguous(), ks_t, ke_t, clean_logits=False, block_m=4, block_n=16)
+    got_u = mqa_logits(q, w, k8, k_sc[:, 0].contiguous(), ks_t, ke_t, clean_logits=False)
     vis = torch.isfinite(want)
     assert_close("visible logits", got_u[vis], want[vis])
 
