@@ -1,6 +1,7 @@
 """openmla layer level: dimensions, plans, impl classes, the vLLM adapters.
 
-    sparse/           the sparse MLA layer: plan.py (per-step plan), impl.py (SparseMLAImpl)
+    sparse/           the sparse MLA layer: plan.py (per-step plan), impl.py (SparseMLAImpl);
+                      DeepSeek-V4's window + compressed cache layer: v4_plan.py, v4_impl.py
     mha/              the general MHA/GQA layer: plan.py, impl.py (PagedAttentionImpl),
                       local.py (chunked local attention), cascade.py (vLLM's cascade heuristic)
     vllm/             the vLLM 0.32 backends OPENMLA_SPARSE (sparse.py) and OPENMLA_ATTN (attn.py)
@@ -40,6 +41,11 @@ from .sparse.impl import SparseMLAImpl  # noqa: E402  (sparse MLA layer)
 
 __all__ += ["PrefillChunk", "SparseMLAPlan", "build_sparse_mla_plan", "split_prefill_chunks",
             "SparseMLAImpl"]
+
+from .sparse.v4_plan import V4PlanBuffers, SparseMLAV4Plan, build_sparse_mla_v4_plan  # noqa: E402
+from .sparse.v4_impl import SparseMLAV4Impl  # noqa: E402  (DeepSeek-V4: window + compressed cache)
+
+__all__ += ["V4PlanBuffers", "SparseMLAV4Plan", "build_sparse_mla_v4_plan", "SparseMLAV4Impl"]
 
 from .mha.local import (  # noqa: E402  (chunked local attention virtual batches)
     LocalAttentionBatch,
