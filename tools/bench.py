@@ -301,7 +301,8 @@ def _row(c: dict, ceil: dict, eager: bool, peer: bool) -> str:
     if not math.isfinite(c["ms"]):
         return cols + f" – | – | – | – | – | – | {_err(c)} |"
     bps, fps = c["bytes"] / (c["ms"] * 1e-3), c["flops"] / (c["ms"] * 1e-3)
-    return cols + (f" {_ms(c['ref_ms'], '–')} | {c['ref_ms'] / c['ms']:.1f}x | {bps / 1e9:.0f} | "
+    speedup = f"{c['ref_ms'] / c['ms']:.1f}x" if math.isfinite(c["ref_ms"]) else "–"  # --no-ref: not timed
+    return cols + (f" {_ms(c['ref_ms'], '–')} | {speedup} | {bps / 1e9:.0f} | "
                    f"{100 * bps / ceil['copy_bytes_per_s']:.0f}% | {fps / 1e12:.1f} | "
                    f"{100 * fps / ceil['bf16_matmul_flops']:.0f}% | {_err(c)} |")
 
