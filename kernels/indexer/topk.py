@@ -2,10 +2,11 @@
 top_k_per_row_prefill / top_k_per_row_decode contract; no torch.topk in the run path).
 
 One program a row. A row of at most k columns lists them all. A longer row is a radix select
-over the fp32 logits mapped to order-preserving uint32 keys (NaN mapped above +inf): four passes
-of an 8-bit histogram find the exact key of the k-th largest logit and how many of its ties are
-still to take; a last pass writes every column above it and the first ties, in column order.
-Each pass reads the row once (a 64K-column row: 256 KiB a pass, from L2 after the first).
+over the fp32 logits mapped to order-preserving uint32 keys (NaN mapped above +inf): up to four
+passes of an 8-bit histogram narrow the key of the k-th largest logit down to a prefix inside
+which every key is wanted, or to the exact key and how many of its ties are still to take; a last
+pass writes every column above it and the first ones inside it, in column order. Each pass reads
+the row once (a 64K-column row: 256 KiB a pass, from L2 after the first).
 Semantics: kernels/reference/indexer.py (topk_per_row_ref); selected sets equal the oracle's up
 to the choice among ties; the order within a row is not sorted by logit.
 """
@@ -57,33 +58,37 @@ def topk_per_row_kernel(
             tl.store(p_out + o, tl.where(o < n, o, -1), mask=o < K)
     else:
         # Radix select, most significant byte first: `prefix` holds the bytes of the k-th key
-        # found so far, `want` how many keys sharing them are still to be taken.
+        # found so far (the bits set in `known`), `want` how many keys inside that prefix are
+        # still to be taken. Once every key inside it is wanted, the later bytes are not needed.
         prefix = tl.zeros([], tl.uint32)
         known = tl.zeros([], tl.uint32)
         want = K
+        done = False
         o_bin = tl.arange(0, 256)
         for i_pass in tl.static_range(4):
-            shift = 24 - 8 * i_pass
-            hist = tl.zeros([256], tl.int32)
-            for c0 in range(start, end, BLOCK):
-                o_c = c0 + o_b
-                m_c = o_c < end
-                key = _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0))
-                m_sel = m_c & ((key & known) == prefix)
-                hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m_sel)
-            # the digit d of the k-th key: keys with a larger digit number < want <= those with >= d
-            ge = tl.cumsum(hist, axis=0, reverse=True)
-            d = tl.max(tl.where(ge >= want, o_bin, -1), axis=0)
-            want -= tl.sum(tl.where(o_bin > d, hist, 0), axis=0)
-            prefix |= d.to(tl.uint32) << shift
-            known |= tl.full([], 0xFF, tl.uint32) << shift
-        # Every key above the threshold goes to [0, K - want), the first `want` ties after them.
+            if not done:
+                shift = 24 - 8 * i_pass
+                hist = tl.zeros([256], tl.int32)
+                for c0 in range(start, end, BLOCK):
+                    o_c = c0 + o_b
+                    m_c = o_c < end
+                    key = _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0))
+                    m_sel = m_c & ((key & known) == prefix)
+                    hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m_sel)
+                # the digit d of the k-th key: keys with a larger digit number < want <= those >= d
+                ge = tl.cumsum(hist, axis=0, reverse=True)
+                d = tl.max(tl.where(ge >= want, o_bin, -1), axis=0)
+                want -= tl.sum(tl.where(o_bin > d, hist, 0), axis=0)
+                done = want == tl.sum(tl.where(o_bin == d, hist, 0), axis=0)
+                prefix |= d.to(tl.uint32) << shift
+                known |= tl.full([], 0xFF, tl.uint32) << shift
+        # Keys above the prefix go to [0, K - want), the first `want` inside it after them.
         n_gt = tl.zeros([], tl.int32)
         n_eq = tl.zeros([], tl.int32)
         for c0 in range(start, end, BLOCK):
             o_c = c0 + o_b
             m_c = o_c < end
-            key = _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0))
+            key = _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0)) & known
             m_gt = m_c & (key > prefix)
             m_eq = m_c & (key == prefix)
             r_gt = n_gt + tl.cumsum(m_gt.to(tl.int32), axis=0) - 1
