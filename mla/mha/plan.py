@@ -205,6 +205,7 @@ def build_attention_plan(
     use_sliding_window: bool = False,
     num_sms: Optional[int] = None,
     dcp: Optional[ContextParallel] = None,
+    dcp_context_lens_out: Optional[torch.Tensor] = None,
 ) -> AttentionPlan:
     """Build one step's plan from what the engine has (vLLM's CommonAttentionMetadata).
 
@@ -235,6 +236,8 @@ def build_attention_plan(
             request's tokens; slot_mapping must then be the rank's (ContextParallel.slot_mapping,
             vLLM's under DCP). NotImplementedError with cascade, local attention, ALiBi or a
             sliding window (their positions are global, the rank's cache is indexed locally).
+        dcp_context_lens_out: optional persistent int32 buffer of >= R elements on the batch's
+            device for dcp_context_lens (CUDA graphs: the same address every step).
 
     Returns an AttentionPlan.
     """
@@ -348,7 +351,14 @@ def build_attention_plan(
             return AttentionPlan(cascade=cascade, **common)
 
     if dcp is not None:
-        ctx = dcp.local_seq_lens(seq_lens - (query_start_loc[1:] - query_start_loc[:-1]))
+        if dcp_context_lens_out is not None:
+            check_tensor("dcp_context_lens_out", dcp_context_lens_out, dtype=torch.int32, ndim=1)
+            if dcp_context_lens_out.shape[0] < R:
+                fail("dcp_context_lens_out.shape[0]", f">= {R} (the step's requests)",
+                     dcp_context_lens_out.shape[0])
+            dcp_context_lens_out = dcp_context_lens_out[:R]
+        ctx = dcp.local_seq_lens(seq_lens - (query_start_loc[1:] - query_start_loc[:-1]),
+                                 out=dcp_context_lens_out)
         common.update(dcp=dcp, dcp_context_lens=ctx)
     decode = prefill = None
     if nd == R:

@@ -36,15 +36,24 @@ prefills runs as two launches (decodes, then prefills) over token ranges taken f
 lengths, and max_query_len picks the tile class, so a graph captured for one mix would replay
 the wrong split and tiles for another (vLLM captures its mixed-batch graphs with dummy batches of
 short queries).
+
+Decode context parallelism (`--decode-context-parallel-size N`): supports_dcp, with vLLM's
+FlashAttention scheme (mla/mha/impl.py): the rank's cache holds its share of every request's
+tokens (vLLM's slot mapping skips the others); the impl gathers the query heads of vLLM's DCP
+group, attends them to the rank's context tokens, merges the ranks' partials over the group's
+device process group (torch.distributed), and merges that with the new tokens' causal attention.
+The builder keeps the local context lengths in a persistent buffer (CUDA graphs). Not with
+ALiBi, a sliding window or a layer sharing another layer's cache (NotImplementedError).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from openmla.mla.vllm.common import attention_plan, lazy_classes
+from openmla.mla.vllm.common import attention_plan, dcp_of, lazy_classes
 from openmla.quant.format_types import MHA
 from openmla.quant.formats import cache_format, kv_cache_dtype_names
 from openmla.quant.validate import fail
@@ -164,7 +173,13 @@ def _build_classes() -> tuple:
                               or vllm_config.model_config.get_num_attention_heads(
                                   vllm_config.parallel_config))
             self.num_kv_heads = kv_cache_spec.num_kv_heads
-            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+            # DCP: any query length (the new tokens attend to their own keys causally)
+            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True,
+                                               supports_dcp_with_varlen=True)
+            self.dcp = dcp_of(vllm_config.parallel_config,
+                              enabled=getattr(kv_cache_spec, "dcp_sharded", True))
+            self.dcp_context_lens = None if self.dcp is None else torch.zeros(
+                vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32, device=device)
 
         @classmethod
         def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec) -> int:
@@ -191,7 +206,8 @@ def _build_classes() -> tuple:
             cm = common_attn_metadata
             plan = attention_plan(cm, block_size=self.kv_cache_spec.block_size,
                                   num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                  decode_threshold=self.reorder_batch_threshold or 1)
+                                  decode_threshold=self.reorder_batch_threshold or 1,
+                                  dcp=self.dcp, dcp_context_lens_out=self.dcp_context_lens)
             return OpenMLAAttentionMetadata(
                 plan=plan, num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
                 max_seq_len=cm.max_seq_len, query_start_loc=cm.query_start_loc,
@@ -201,6 +217,11 @@ def _build_classes() -> tuple:
     class OpenMLAAttentionImpl(AttentionImpl[OpenMLAAttentionMetadata]):
         """vLLM's AttentionImpl over mla.mha.impl.PagedAttentionImpl (same constructor arguments
         as vLLM's FlashAttentionImpl)."""
+
+        # DCP (module docstring): the impl merges the ranks' partials itself
+        can_return_lse_for_decode = True
+        supports_dcp = True
+        supports_mtp_with_cp_non_trivial_interleave_size = True
 
         def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                      sliding_window, kv_cache_dtype, logits_soft_cap=None, attn_type="decoder",
@@ -215,10 +236,16 @@ def _build_classes() -> tuple:
             self.attn_type = attn_type
             self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
             self.sinks = sinks
+            dcp = None
+            if self.dcp_world_size > 1:  # set by vLLM's AttentionImplBase.__new__
+                from vllm.config import get_current_vllm_config_or_none
+                config = get_current_vllm_config_or_none()
+                dcp = dcp_of(config.parallel_config if config is not None else SimpleNamespace(
+                    decode_context_parallel_size=self.dcp_world_size))
             self._openmla = PagedAttentionImpl(
                 num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window,
                 softcap=logits_soft_cap or None, alibi_slopes=alibi_slopes, sinks=sinks,
-                kv_cache_dtype=self.cache_format, attn_type=attn_type)
+                kv_cache_dtype=self.cache_format, attn_type=attn_type, dcp=dcp)
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):

@@ -3,7 +3,7 @@ Imports nothing of vLLM (kv_cache_dtype names are resolved by quant.cache_format
 
 from typing import Any, Callable
 
-__all__ = ["attention_plan", "lazy_classes", "plan_inputs", "sparse_mla_plan"]
+__all__ = ["attention_plan", "dcp_of", "lazy_classes", "plan_inputs", "sparse_mla_plan"]
 
 
 def lazy_classes(module: str, names: tuple, build: Callable[[], tuple]) -> Callable[[str], Any]:
@@ -37,13 +37,33 @@ def plan_inputs(cm) -> tuple:
                       seq_lens_cpu=cm.seq_lens_cpu_upper_bound)
 
 
+def dcp_of(parallel_config, *, enabled: bool = True):
+    """This worker's place in vLLM's decode-context-parallel group as an openmla
+    ContextParallel ("sharded" heads: vLLM's DCP ranks are tensor-parallel ranks; the group's
+    device process group; parallel_config.cp_kv_cache_interleave_size), or None when DCP is off
+    (decode_context_parallel_size 1, `enabled` False as for vLLM's unsharded caches, or no DCP
+    group, as in unit tests)."""
+    from vllm.distributed.parallel_state import get_dcp_group, get_dcp_world_size_and_rank
+
+    from openmla.mla.cp import ContextParallel
+    on = enabled and getattr(parallel_config, "decode_context_parallel_size", 1) > 1
+    n, rank = get_dcp_world_size_and_rank(on)
+    if n == 1:
+        return None
+    return ContextParallel(n, rank, getattr(parallel_config, "cp_kv_cache_interleave_size", 1),
+                           group=get_dcp_group().device_group)
+
+
 def sparse_mla_plan(cm, *, block_size: int, num_heads: int, cache_format, max_model_len: int,
-                    decode_threshold: int, req_id_out):
+                    decode_threshold: int, req_id_out, dcp=None):
     """OPENMLA_SPARSE's plan of one step from vLLM's CommonAttentionMetadata `cm` (anything
     with its fields): vLLM's max_query_len bounds the decode-only check, and the request ids go
-    into `req_id_out`, the builder's persistent buffer (CUDA graphs: mla/vllm/sparse.py)."""
+    into `req_id_out`, the builder's persistent buffer (CUDA graphs: mla/vllm/sparse.py). Under
+    DCP (`dcp`, dcp_of) the plan takes vLLM's dcp_local_seq_lens when it has them."""
     from openmla.mla.sparse.plan import build_sparse_mla_plan  # here: registering stays light
     args, host = plan_inputs(cm)
+    if dcp is not None:
+        host.update(dcp=dcp, dcp_local_seq_lens=getattr(cm, "dcp_local_seq_lens", None))
     return build_sparse_mla_plan(
         *args, block_size=block_size, num_heads=num_heads, kv_cache_dtype=cache_format,
         max_model_len=max_model_len, decode_threshold=decode_threshold,
@@ -51,12 +71,14 @@ def sparse_mla_plan(cm, *, block_size: int, num_heads: int, cache_format, max_mo
 
 
 def attention_plan(cm, *, block_size: int, num_heads: int, num_kv_heads: int,
-                   decode_threshold: int):
+                   decode_threshold: int, dcp=None, dcp_context_lens_out=None):
     """OPENMLA_ATTN's plan of one step from vLLM's CommonAttentionMetadata `cm` (anything with
     its fields). No cascade (vLLM 0.32 passes no common prefix). A decode-only step's plan holds
-    views of vLLM's tensors only (CUDA graphs: mla/vllm/attn.py)."""
+    views of vLLM's tensors only (CUDA graphs: mla/vllm/attn.py), and under DCP (`dcp`, dcp_of)
+    its local context lengths go into the builder's persistent `dcp_context_lens_out`."""
     from openmla.mla.mha.plan import build_attention_plan
     args, host = plan_inputs(cm)
     return build_attention_plan(
         *args, max_query_len=cm.max_query_len, block_size=block_size, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, decode_threshold=decode_threshold, use_cascade=False, **host)
+        num_kv_heads=num_kv_heads, decode_threshold=decode_threshold, use_cascade=False, dcp=dcp,
+        dcp_context_lens_out=dcp_context_lens_out, **host)

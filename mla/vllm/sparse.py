@@ -33,6 +33,15 @@ are never replayed (the prefill chunks come from the batch's host lengths): vLLM
 attention outside its piecewise graphs. Decode lengths may also vary per request (1 to
 1 + num_speculative_tokens, from the device query_start_loc: vLLM's variable-length decode
 graphs).
+
+Decode context parallelism (`--decode-context-parallel-size N`): supports_dcp, as FLASHMLA_SPARSE.
+Each rank's cache holds its share of every request's tokens (vLLM's slot mapping already skips
+the others). vLLM's MLA layer gathers the query heads of the group (N * H heads reach
+forward_mqa) and merges the ranks' partials by their lse (its DCP manager); forward_mqa maps the
+indexer's top-k positions to this rank's local slots (openmla.mla.cp), bounded by vLLM's
+dcp_local_seq_lens, runs every token through the decode kernel and returns (out, lse).
+Speculative decodes stay decodes under DCP (supports_dcp_with_varlen), at any
+cp_kv_cache_interleave_size.
 """
 from __future__ import annotations
 
@@ -41,7 +50,7 @@ from typing import Any, Optional
 
 import torch
 
-from openmla.mla.vllm.common import lazy_classes, sparse_mla_plan
+from openmla.mla.vllm.common import dcp_of, lazy_classes, sparse_mla_plan
 from openmla.quant.format_types import SPARSE_MLA
 from openmla.quant.formats import cache_format, kv_cache_dtype_names
 from openmla.quant.validate import fail
@@ -147,7 +156,12 @@ def _build_classes() -> tuple:
             self.num_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
             self.max_model_len = model_config.max_model_len
             self.cache_format = cache_format_of(vllm_config.cache_config.cache_dtype)
-            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+            # DCP: the top-k, not the kernel, makes attention causal, so spec decodes stay decodes
+            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True,
+                                               supports_dcp_with_varlen=True)
+            self.dcp = dcp_of(vllm_config.parallel_config)
+            # forward_mqa sees the DCP group's gathered heads
+            self.attn_heads = self.num_heads if self.dcp is None else self.dcp.attn_heads(self.num_heads)
             # the plan's req_id_per_token, at one address for every step (CUDA graph replays)
             self.req_id_buffer = torch.empty(vllm_config.scheduler_config.max_num_batched_tokens,
                                              dtype=torch.int32, device=device)
@@ -177,9 +191,10 @@ def _build_classes() -> tuple:
             cm = common_attn_metadata
             T = cm.num_actual_tokens
             plan = sparse_mla_plan(
-                cm, block_size=self.kv_cache_spec.block_size, num_heads=self.num_heads,
+                cm, block_size=self.kv_cache_spec.block_size, num_heads=self.attn_heads,
                 cache_format=self.cache_format, max_model_len=self.max_model_len,
-                decode_threshold=self.reorder_batch_threshold or 1, req_id_out=self.req_id_buffer)
+                decode_threshold=self.reorder_batch_threshold or 1, req_id_out=self.req_id_buffer,
+                dcp=self.dcp)
             return OpenMLASparseMetadata(
                 plan=plan, num_reqs=cm.num_reqs, num_actual_tokens=T,
                 max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
@@ -192,6 +207,10 @@ def _build_classes() -> tuple:
         """forward_mqa through mla.sparse.impl.SparseMLAImpl; the cache write through quant."""
 
         is_sparse = True
+        # DCP (module docstring): vLLM's layer gathers the heads and merges by the lse returned
+        can_return_lse_for_decode = True
+        supports_dcp = True
+        supports_mtp_with_cp_non_trivial_interleave_size = True
 
         def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                      kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
@@ -223,18 +242,21 @@ def _build_classes() -> tuple:
                     self.num_heads, self.scale, self.cache_format,
                     kv_lora_rank=a["kv_lora_rank"], qk_rope_head_dim=a["qk_rope_head_dim"],
                     qk_nope_head_dim=a["qk_nope_head_dim"], v_head_dim=a["v_head_dim"],
-                    max_model_len=plan.workspace_rows, workspace_rows=plan.workspace_rows)
+                    max_model_len=plan.workspace_rows, workspace_rows=plan.workspace_rows,
+                    dcp=plan.dcp)
             return self._openmla
 
         def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
             """q: [T, H, 576] bf16 or (ql_nope [T, H, 512], q_pe [T, H, 64]); cache [blocks,
-            block_size, 576] bf16 or [blocks, block_size, 656] uint8. Returns ([T, H, 512], None)."""
+            block_size, 576] bf16 or [blocks, block_size, 656] uint8. Returns ([T, H, 512], None);
+            under DCP H is the group's gathered heads and it returns (this rank's partial, its lse
+            [T, H] fp32) for vLLM's merge."""
             plan = attn_metadata.plan
             if isinstance(q, tuple):
                 if q[0].shape[0] == plan.num_tokens and q[0].dtype == torch.bfloat16:
                     # into the step's scratch: no allocation per layer
                     q = torch.cat(q, dim=-1, out=plan.buffer(
-                        "q", (plan.num_tokens, self.num_heads, HEAD_SIZE), torch.bfloat16))
+                        "q", (plan.num_tokens, q[0].shape[1], HEAD_SIZE), torch.bfloat16))
                 else:  # forward_mqa says what is wrong with it
                     q = torch.cat(q, dim=-1)
             topk = self.topk_indices_buffer
@@ -243,6 +265,8 @@ def _build_classes() -> tuple:
             cache = kv_c_and_k_pe_cache
             if cache.dtype == torch.float8_e4m3fn:  # vLLM's layer hands a cache named "fp8"
                 cache = cache.view(torch.uint8)      # viewed as e4m3: the same fp8_ds_mla bytes
+            if plan.dcp is not None:
+                return self._layer(plan).forward_mqa(q, cache, topk[:q.shape[0]], plan, return_lse=True)
             out = self._layer(plan).forward_mqa(q, cache, topk[:q.shape[0]], plan)
             return out, None
 

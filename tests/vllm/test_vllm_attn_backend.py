@@ -243,6 +243,7 @@ def _validate(head_size=128, dtype=torch.bfloat16, kv="auto", block_size=16, use
 
 CLAIMED = [
     pytest.param(dict(dtype=torch.bfloat16, kv="auto"), id="bf16-auto"),
+    pytest.param(dict(dtype=torch.bfloat16, kv="auto", use_dcp=True), id="bf16-auto-dcp"),
     pytest.param(dict(dtype=torch.bfloat16, kv="bfloat16"), id="bf16-bf16cache"),
     pytest.param(dict(dtype=torch.float16, kv="auto"), id="fp16-auto"),
     pytest.param(dict(dtype=torch.float16, kv="float16"), id="fp16-fp16cache"),
@@ -285,7 +286,6 @@ REFUSED = [
                  id="mm-prefix"),
     pytest.param(dict(use_non_causal=True), "non-causal attention not supported", id="non-causal"),
     pytest.param(dict(use_rswa=True), "R-SWA not supported", id="rswa"),
-    pytest.param(dict(use_dcp=True), "DCP not supported", id="dcp"),
     pytest.param(dict(use_batch_invariant=True), "batch invariance not supported",
                  id="batch-invariant"),
 ]
