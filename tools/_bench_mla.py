@@ -230,33 +230,42 @@ register(Op(
 
 
 # --------------------------------------------------------------------------------------------
-# sparse MLA prefill
+# sparse MLA prefill: d_qk 576 (V3.2) and 512 (V4 / MODEL1: the value is the whole row, FlashMLA's
+# MODEL1 perf cases run with a per-head sink)
 def _prefill_build(p, device):
+    d = p.get("d_qk", 576)
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(p["tokens"], p["heads"], 576, device=device, generator=g).bfloat16()
-    kv = torch.randn(p["kv_rows"], 576, device=device, generator=g).bfloat16()
+    q = torch.randn(p["tokens"], p["heads"], d, device=device, generator=g).bfloat16()
+    kv = torch.randn(p["kv_rows"], d, device=device, generator=g).bfloat16()
     indices = random_topk_indices(p["tokens"], p["kv_rows"], p["topk"], device)
-    return {"q": q, "kv": kv, "indices": indices, "scale": 576 ** -0.5}
+    sink = torch.randn(p["heads"], device=device, generator=g) if p.get("sink") else None
+    return {"q": q, "kv": kv, "indices": indices, "scale": d ** -0.5, "attn_sink": sink}
 
 
 def _prefill_run(x):
     from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
-    return sparse_mla_prefill(x["q"], x["kv"], x["indices"], scale=x["scale"])[0]
+    return sparse_mla_prefill(x["q"], x["kv"], x["indices"], scale=x["scale"], attn_sink=x["attn_sink"])[0]
 
 
 def _prefill_torch(x):
+    """(The sink's factor, one multiply per output row, is left out of the torch baseline.)"""
     kv = x["kv"]
     return torch_sparse_attention(x["q"], lambda idx: kv[idx], kv.shape[0], x["indices"], x["scale"])
 
 
 def _prefill_error(x, out):
     sl = slice(0, CHECK_TOKENS)
-    return rel_l2(out[sl], reference.sparse_mla_ref(x["q"][sl], x["kv"], x["indices"][sl], scale=x["scale"])[0])
+    return rel_l2(out[sl], reference.sparse_mla_ref(x["q"][sl], x["kv"], x["indices"][sl], scale=x["scale"],
+                                                    attn_sink=x["attn_sink"])[0])
 
 
 def _prefill_count(p):
-    t, h, k = p["tokens"], p["heads"], p["topk"]
-    return 2.0 * t * h * k * (576 + 512), float(t * k * 1152)
+    t, h, k, d = p["tokens"], p["heads"], p["topk"], p.get("d_qk", 576)
+    return 2.0 * t * h * k * (d + 512), float(t * k * 2 * d)
+
+
+def _prefill_label(p):
+    return f"T{p['tokens']}-H{p['heads']}-topk{p['topk']}" + ("-sink" if p.get("sink") else "")
 
 
 register(Op(
@@ -266,9 +275,23 @@ register(Op(
         "small": [dict(tokens=8, heads=16, topk=128, kv_rows=1024)],
     },
     build=_prefill_build, run=_prefill_run, torch_ref=_prefill_torch, error=_prefill_error,
-    count=_prefill_count,
-    label=lambda p: f"T{p['tokens']}-H{p['heads']}-topk{p['topk']}",
-    peer=PREFILL_PEER,
+    count=_prefill_count, label=_prefill_label, peer=PREFILL_PEER,
+))
+
+# FlashMLA's MODEL1 prefill perf cases (tests/test_flash_mla_sparse_prefill.py: s_q 4096, sink; config
+# 1 H64 topk 512, config 2 H128 topk 1024; issue 25's bar at 32768 kv rows) and the head counts
+# FlashMLA pads to 64.
+register(Op(
+    name="sparse_mla_prefill_v4",
+    shape_sets={
+        "standard": [dict(tokens=4096, heads=h, topk=k, kv_rows=32768, d_qk=512, sink=True)
+                     for h, k in ((64, 512), (128, 1024), (16, 512), (32, 512))],
+        "model1": [dict(tokens=4096, heads=h, topk=k, kv_rows=n, d_qk=512, sink=True)
+                   for h, k in ((64, 512), (128, 1024)) for n in (8192, 32768, 49152, 65536)],
+        "small": [dict(tokens=8, heads=16, topk=128, kv_rows=1024, d_qk=512, sink=True)],
+    },
+    build=_prefill_build, run=_prefill_run, torch_ref=_prefill_torch, error=_prefill_error,
+    count=_prefill_count, label=_prefill_label, peer=PREFILL_PEER,
 ))
 
 

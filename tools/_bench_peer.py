@@ -25,8 +25,9 @@ skips only the index -1 (it does not bound-check others), so invalid indices bec
 DeepSeek-V4 (MODEL1, DESIGN.md): when openmla's MODEL1 decode and prefill land, their bench entries
 get a Peer the same way: prepare views the [num_blocks, block_size, 1, 584] cache (and the optional
 extra cache, its indices and extra_topk_length) and calls flash_mla_with_kvcache with q of head
-dim 512, kv_format="V4" and use_legacy=True; the prefill entry calls flash_mla_sparse_fwd on the
-bf16 rows. Everything after prepare (timing, unpadding, comparison, columns) is shared.
+dim 512, kv_format="V4" and use_legacy=True. The prefill peer already serves d_qk 512 rows
+(sparse_mla_prefill_v4: flash_mla_sparse_fwd on the bf16 rows, its sink padded with -inf).
+Everything after prepare (timing, unpadding, comparison, columns) is shared.
 """
 from __future__ import annotations
 
@@ -151,14 +152,21 @@ def _prefill_prepare(x: dict, fm) -> dict:
     return {
         "fm": fm, "heads": H, "scale": x["scale"],
         "kwargs": _legacy_kwargs(fm.flash_mla_sparse_fwd),
-        "q": _pad_heads(q, hp),  # [T, hp, 576]
-        "kv": kv.unsqueeze(1),  # [N, 1, 576]
+        "q": _pad_heads(q, hp),  # [T, hp, d_qk] (576 or 512)
+        "kv": kv.unsqueeze(1),  # [N, 1, d_qk]
         "indices": _minus_one_invalid(indices, kv.shape[0]).unsqueeze(1).contiguous(),  # [T, 1, topk]
+        "sink": {} if x.get("attn_sink") is None else {"attn_sink": _pad_sink(x["attn_sink"], hp)},
     }
 
 
+def _pad_sink(sink: torch.Tensor, hp: int) -> torch.Tensor:
+    """attn_sink [H] padded with -inf (no effect) to the peer's hp heads."""
+    return torch.cat([sink, sink.new_full((hp - sink.shape[0],), float("-inf"))])
+
+
 def _prefill_call(px: dict):
-    return px["fm"].flash_mla_sparse_fwd(px["q"], px["kv"], px["indices"], px["scale"], D_V, **px["kwargs"])
+    return px["fm"].flash_mla_sparse_fwd(px["q"], px["kv"], px["indices"], px["scale"], D_V, **px["sink"],
+                                         **px["kwargs"])
 
 
 def _prefill_unpad(px: dict, raw) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +177,8 @@ def _prefill_unpad(px: dict, raw) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _prefill_ours(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
     from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
-    out, lse, _ = sparse_mla_prefill(x["q"], x["kv"], x["indices"], scale=x["scale"])
+    out, lse, _ = sparse_mla_prefill(x["q"], x["kv"], x["indices"], scale=x["scale"],
+                                     attn_sink=x.get("attn_sink"))
     return out, lse
 
 
