@@ -32,7 +32,8 @@ import torch
 
 from openmla.kernels.indexer import paged_mqa_logits, topk_per_row
 from openmla.mla.sparse.impl import SparseMLAImpl
-from openmla.mla.sparse.plan import SparseMLAPlan
+from openmla.mla.sparse.indexer_ragged import ragged_chunks, ragged_topk
+from openmla.mla.sparse.plan import SparseMLAPlan, _host_ints
 from openmla.quant.indexer_cache import INDEXER_K_FP8, indexer_k_format_of, write_indexer_k_cache
 from openmla.quant.validate import check_same_device, check_tensor, fail
 
@@ -54,6 +55,10 @@ class IndexerPlan:
     request: it selects nothing), context_lens [T] int32 (visible tokens of its request, the
     positions [0, context_len)), block_table [R, M] int32 (the requests' index-cache blocks; an
     entry < 0 is unmapped and its tokens are never read).
+
+    Paths: tokens [0, num_paged_tokens) are scored one paged row each; ragged_chunks
+    (mla/sparse/indexer_ragged.py: prefill requests against their gathered keys) cover token
+    ranges after them; tokens in neither select nothing (padding).
     """
 
     num_tokens: int
@@ -63,6 +68,8 @@ class IndexerPlan:
     req_id_per_token: torch.Tensor
     context_lens: torch.Tensor
     block_table: torch.Tensor
+    num_paged_tokens: int
+    ragged_chunks: tuple = ()
 
 
 def _positive_int(name: str, x) -> int:
@@ -72,11 +79,14 @@ def _positive_int(name: str, x) -> int:
 
 
 def indexer_plan_from_tokens(req_id_per_token: torch.Tensor, context_lens: torch.Tensor,
-                             block_table: torch.Tensor, *, max_context: int) -> IndexerPlan:
+                             block_table: torch.Tensor, *, max_context: int,
+                             ragged_chunks: tuple = (), num_tokens: Optional[int] = None) -> IndexerPlan:
     """An IndexerPlan from per-token requests and context lengths an engine already has
     (vLLM's indexer metadata: mla/vllm/indexer.py). Shapes and dtypes as IndexerPlan; nothing is
     read from the device (a context length above max_context is clipped to it by the logits,
-    a negative one selects nothing)."""
+    a negative one selects nothing). The tokens given are paged rows; ragged_chunks (token
+    ranges after them) are the prefill chunks the engine built; num_tokens: the step's T (rows
+    of q, default: up to the last token given), tokens past both select nothing."""
     _positive_int("max_context", max_context)
     check_tensor("req_id_per_token", req_id_per_token, dtype=torch.int32, ndim=1, contiguous=True)
     T = req_id_per_token.shape[0]
@@ -84,15 +94,23 @@ def indexer_plan_from_tokens(req_id_per_token: torch.Tensor, context_lens: torch
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
     device = check_same_device(req_id_per_token=req_id_per_token, context_lens=context_lens,
                                block_table=block_table)
-    return IndexerPlan(num_tokens=T, num_reqs=block_table.shape[0], max_context=max_context,
+    T_all = max([T] + [ch.token_end for ch in ragged_chunks])
+    if num_tokens is not None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < T_all:
+            fail("num_tokens", f"an int >= {T_all} (the tokens given)", repr(num_tokens))
+        T_all = num_tokens
+    return IndexerPlan(num_tokens=T_all, num_reqs=block_table.shape[0], max_context=max_context,
                        device=device, req_id_per_token=req_id_per_token,
-                       context_lens=context_lens, block_table=block_table)
+                       context_lens=context_lens, block_table=block_table, num_paged_tokens=T,
+                       ragged_chunks=tuple(ragged_chunks))
 
 
 def build_indexer_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                        block_table: torch.Tensor, *, num_tokens: Optional[int] = None,
                        req_id_per_token: Optional[torch.Tensor] = None,
-                       max_context: int) -> IndexerPlan:
+                       max_context: int, query_lens_cpu=None, seq_lens_cpu=None,
+                       decode_threshold: int = 1,
+                       max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES) -> IndexerPlan:
     """One step's IndexerPlan from the engine's batch tensors (the ones SparseMLAImpl.build_plan
     takes), on the device, without a host sync (CUDA-graph capturable).
 
@@ -106,6 +124,11 @@ def build_indexer_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         req_id_per_token: optional [T] int32, the request of each token as SparseMLAPlan
             computes it (R for padding); computed here when not given.
         max_context: host bound on every seq_len (logits width).
+        query_lens_cpu, seq_lens_cpu: optional [R] host ints (CPU tensors or sequences) of the
+            same lengths. With both, the requests after the leading run of decodes (query_len
+            <= decode_threshold) take the ragged prefill path in chunks whose logits fit
+            max_logits_bytes (mla/sparse/indexer_ragged.py); without them every token is a
+            paged row (correct for any batch; the decode-only and CUDA-graph form).
 
     Token t of request r (query positions [qsl[r], qsl[r+1])) sees
     context_len = seq_lens[r] - (qsl[r+1] - t) + 1 tokens: its own position plus one, clamped
@@ -141,8 +164,26 @@ def build_indexer_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         r = req_id_per_token.clamp(0, R - 1).long()
         ctx = seq_lens[r] - query_start_loc[r + 1] + tokens + 1
         ctx = torch.where(own, ctx, 0).clamp_(min=0).to(torch.int32)
+    paged, chunks = T, ()
+    if query_lens_cpu is not None and seq_lens_cpu is not None:
+        _positive_int("decode_threshold", decode_threshold)
+        _positive_int("max_logits_bytes", max_logits_bytes)
+        qlens, seqs = _host_ints("query_lens_cpu", query_lens_cpu, R), _host_ints("seq_lens_cpu", seq_lens_cpu, R)
+        nd = 0
+        while nd < R and qlens[nd] <= decode_threshold:
+            nd += 1
+        if nd < R:
+            paged = sum(qlens[:nd])
+            if paged + sum(qlens[nd:]) > T:
+                fail("sum(query_lens_cpu)", f"<= num tokens {T}", sum(qlens))
+            for i in range(nd, R):
+                if not 0 <= qlens[i] <= seqs[i]:
+                    fail(f"seq_lens_cpu[{i}]", f">= query_lens_cpu[{i}] = {qlens[i]} >= 0", seqs[i])
+            chunks = tuple(ragged_chunks(qlens[nd:], seqs[nd:], first_req=nd, first_token=paged,
+                                         block_table=block_table, max_logits_bytes=max_logits_bytes))
     return IndexerPlan(num_tokens=T, num_reqs=R, max_context=max_context, device=device,
-                       req_id_per_token=req_id_per_token, context_lens=ctx, block_table=block_table)
+                       req_id_per_token=req_id_per_token, context_lens=ctx, block_table=block_table,
+                       num_paged_tokens=paged, ragged_chunks=chunks)
 
 
 def _token_rows(plan: IndexerPlan, t0: int, t1: int):
@@ -196,15 +237,19 @@ def indexer_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_cache: torch.
         check_tensor("out", out, dtype=torch.int32, shape=(T, topk), last_dim_contiguous=True)
     check_same_device(q_fp8=q_fp8, weights=weights, index_cache=index_cache, out=out,
                       **{"plan tensors": plan.context_lens})
-    W = plan.max_context
+    W, P = plan.max_context, plan.num_paged_tokens
+    if P < T:
+        out[P:].fill_(-1)  # ragged chunks overwrite their rows; the rest is padding
     rows = max(1, max_logits_bytes // (4 * W))
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
+    for t0 in range(0, P, rows):
+        t1 = min(P, t0 + rows)
         table, ctx = _token_rows(plan, t0, t1)
         # columns past a row's context are left unwritten: the top-k reads [0, context_len) only
         logits = paged_mqa_logits(q_fp8[t0:t1].unsqueeze(1), weights[t0:t1], index_cache, ctx,
                                   table, max_model_len=W, fmt=fmt, clean_logits=False)
         topk_per_row(logits, ctx, topk, out=out[t0:t1])
+    for ch in plan.ragged_chunks:
+        ragged_topk(q_fp8, weights, index_cache, fmt, ch, topk, out)
     return out
 
 

@@ -11,14 +11,14 @@ code is unchanged; every platform's forward (CUDA, ROCm, XPU, CPU, out-of-tree, 
 openmla's op:
 
     write the step's indexer keys into the layer's index-K cache (quant.indexer_cache),
-    fill topk_indices_buffer[:T] with -1, then for every token the top-k positions of its
-    request (mla.sparse.indexer_step.indexer_topk over vLLM's indexer metadata).
+    then fill topk_indices_buffer[:T, :topk] with every token's top-k positions within its
+    request, -1 filled (mla.sparse.indexer_step.indexer_topk over vLLM's indexer metadata).
 
 The op reads vLLM's `DeepseekV32IndexerMetadata` (built by vLLM's indexer backend, which runs
-without DeepGEMM) from the forward context, as vLLM's own op does, and turns it into per-token
-requests and context lengths (`_plans`): decode tokens from the decode requests' lengths,
-prefill tokens from each chunk's row bounds. Nothing is gathered: the logits read the paged
-cache through the block table.
+without DeepGEMM) from the forward context, as vLLM's own op does, and turns it into one
+IndexerPlan per step (`_plan`, shared by the layers): decode tokens as paged rows (per-token
+requests and causal context lengths from the decode requests' lengths), prefill chunks on the
+ragged path over vLLM's own row bounds (their keys gathered from the paged cache).
 
 It runs inside its own torch custom op, `torch.ops.vllm.openmla_sparse_attn_indexer`
 (opaque to torch.compile, mutating the top-k buffer, as vLLM's op), wrapped like vLLM's in
@@ -93,52 +93,67 @@ def _indexer_op(hidden_states: torch.Tensor, k_cache_prefix: str, kv_cache: torc
     if not isinstance(attn_metadata, dict):
         return None  # profiling / dummy run: no metadata, nothing to select
     md = attn_metadata[k_cache_prefix]
-    T = hidden_states.shape[0]
     slot_mapping = md.slot_mapping
     if k is not None:
         # k may be padded past the step's tokens (CUDA-graph batch sizes); slots cover the tokens
         write_indexer_k_cache(k[:slot_mapping.shape[0]], kv_cache, slot_mapping, fmt=layer.index_format,
                               check_slots=False)
-    buf = topk_indices_buffer[:T, :layer.topk_tokens]
-    buf.fill_(-1)
-    for t0, t1, plan in _plans(md, layer.max_model_len):
-        indexer_topk(q_fp8[t0:t1], weights[t0:t1], kv_cache, plan, topk=layer.topk_tokens,
-                     fmt=layer.index_format, out=buf[t0:t1])
+    T = hidden_states.shape[0]
+    indexer_topk(q_fp8[:T], weights[:T], kv_cache, _plan(md, T, layer.max_model_len),
+                 topk=layer.topk_tokens, fmt=layer.index_format,
+                 out=topk_indices_buffer[:T, :layer.topk_tokens])
     return None
 
 
-def _plans(md, max_model_len: int):
-    """(token_start, token_end, IndexerPlan) of each part of a step from vLLM's
-    DeepseekV32IndexerMetadata `md` (its decode part, then every prefill chunk).
+_PLAN_CACHE: list = [None, None, None]  # (metadata, key, plan) of the last step: every layer's
 
-    Decode: vLLM puts the decode requests first; request b has per_req_decode_lens[b] query
-    tokens, the last of them at position seq_lens[b] - 1 (mla.sparse.indexer_step's causal rule
-    over a query_start_loc of those lengths). Tokens past their sum (CUDA-graph padding) belong to
-    no request. The logits are max_model_len wide while a graph may be captured, else the step's
-    max_seq_len.
-    Prefill: chunk row i sees the gathered rows [ks[i], ke[i]) of vLLM's layout, which start at
-    its request's first row cu_seq_lens[r]: request r is the chunk's request whose first row is
-    ks[i] (the last one, when requests of no rows share a start), context length ke[i] - ks[i].
+
+def _plan(md, T: int, max_model_len: int):
+    """The step's IndexerPlan from vLLM's DeepseekV32IndexerMetadata `md`, built by the first
+    layer that sees `md` and reused by the others (they share the metadata object).
+
+    Decode tokens (vLLM puts decode requests first) are paged rows: request b has
+    per_req_decode_lens[b] query tokens, the last at position seq_lens[b] - 1 (the causal rule of
+    build_indexer_plan over a query_start_loc of those lengths); tokens past their sum (CUDA-graph
+    padding) belong to no request. The logits are max_model_len wide while a graph may be captured,
+    else the step's max_seq_len.
+    Prefill chunks take the ragged path over vLLM's own bounds: chunk row i sees the gathered rows
+    [ks[i], ke[i]); gathered row j is position j - cu_seq_lens[r] of the chunk's request r.
     """
+    key = (T, max_model_len)
+    if _PLAN_CACHE[0] is md and _PLAN_CACHE[1] == key:
+        return _PLAN_CACHE[2]
+    from openmla.mla.sparse.indexer_ragged import RaggedChunk
     from openmla.mla.sparse.indexer_step import build_indexer_plan, indexer_plan_from_tokens
 
-    if md.num_decodes > 0 and md.num_decode_tokens > 0:
-        dec = md.decode
-        B, Td = md.num_decodes, md.num_decode_tokens
-        lens = dec.per_req_decode_lens[:B]
-        qsl = torch.zeros(B + 1, dtype=torch.int32, device=lens.device)
-        torch.cumsum(lens, 0, out=qsl[1:])
-        capturing = lens.is_cuda and torch.cuda.is_current_stream_capturing()
-        width = max_model_len if capturing else max(1, min(md.max_seq_len, max_model_len))
-        yield 0, Td, build_indexer_plan(qsl, md.seq_lens[:B], md.block_table[:B], num_tokens=Td,
-                                        max_context=width)
+    dev = md.slot_mapping.device
+    chunks = []
     if md.num_prefills > 0 and md.prefill is not None:
-        width = max(1, md.prefill.max_prefill_seq_len)
         for ch in md.prefill.chunks:
-            ks, ke = ch.cu_seqlen_ks, ch.cu_seqlen_ke
-            req = (torch.searchsorted(ch.cu_seq_lens, ks, right=True, out_int32=True) - 1)
-            yield ch.token_start, ch.token_end, indexer_plan_from_tokens(
-                req.to(torch.int32), (ke - ks).to(torch.int32), ch.block_table, max_context=width)
+            S = ch.total_seq_lens
+            rows = torch.arange(S, dtype=torch.int32, device=dev)
+            req = torch.searchsorted(ch.cu_seq_lens[1:], rows, right=True, out_int32=True)
+            chunks.append(RaggedChunk(
+                token_start=ch.token_start, token_end=ch.token_end, num_keys=S,
+                ks=ch.cu_seqlen_ks.to(torch.int32), ke=ch.cu_seqlen_ke.to(torch.int32), key_req=req,
+                key_pos=(rows - ch.cu_seq_lens[req.long()]).to(torch.int32), block_table=ch.block_table))
+    B, Td = md.num_decodes, md.num_decode_tokens
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    width = max_model_len if capturing else max(1, min(md.max_seq_len, max_model_len))
+    if B > 0 and Td > 0:
+        lens = md.decode.per_req_decode_lens[:B]
+        qsl = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        torch.cumsum(lens, 0, out=qsl[1:])
+        paged = build_indexer_plan(qsl, md.seq_lens[:B], md.block_table[:B], num_tokens=Td,
+                                   max_context=width)
+        plan = indexer_plan_from_tokens(paged.req_id_per_token, paged.context_lens, paged.block_table,
+                                        max_context=width, ragged_chunks=tuple(chunks), num_tokens=T)
+    else:
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        plan = indexer_plan_from_tokens(empty, empty, md.block_table, max_context=width,
+                                        ragged_chunks=tuple(chunks), num_tokens=T)
+    _PLAN_CACHE[:] = [md, key, plan]
+    return plan
 
 
 def _build_class(SparseAttnIndexer):

@@ -75,15 +75,18 @@ def token_context_lens(step):
 # ----------------------------------------------------------------------------------------------
 # The whole step on a mixed batch
 # ----------------------------------------------------------------------------------------------
-STEP_CASES = [  # kv_cache_dtype, fp8_path, H (MLA heads), index heads, block_size, topk, index fmt
-    pytest.param("fp8_ds_mla", "mixed", 4, 8, 16, 12, INDEXER_K_FP8, id="fp8-mixed-H4-I8-bs16-topk12"),
-    pytest.param("fp8_ds_mla", "separate", 8, 4, 7, 20, INDEXER_K_FP8_RAW, id="fp8-separate-H8-I4-bs7-topk20-raw"),
-    pytest.param("bf16", None, 3, 64, 16, 64, INDEXER_K_FP8, id="bf16-H3-I64-bs16-topk64-all-short"),
+STEP_CASES = [  # kv_cache_dtype, fp8_path, H (MLA heads), index heads, block_size, topk, index fmt,
+    # prefills on the ragged path (host lengths given) or as paged rows
+    pytest.param("fp8_ds_mla", "mixed", 4, 8, 16, 12, INDEXER_K_FP8, True, id="fp8-mixed-H4-I8-bs16-topk12-ragged"),
+    pytest.param("fp8_ds_mla", "separate", 8, 4, 7, 20, INDEXER_K_FP8_RAW, True,
+                 id="fp8-separate-H8-I4-bs7-topk20-raw-ragged"),
+    pytest.param("fp8_ds_mla", "mixed", 4, 8, 16, 12, INDEXER_K_FP8, False, id="fp8-mixed-H4-I8-bs16-topk12-paged"),
+    pytest.param("bf16", None, 3, 64, 16, 64, INDEXER_K_FP8, False, id="bf16-H3-I64-bs16-topk64-all-short-paged"),
 ]
 
 
-@pytest.mark.parametrize("kv,fp8_path,H,heads,bs,topk,fmt", STEP_CASES)
-def test_step_mixed_batch(kv, fp8_path, H, heads, bs, topk, fmt):
+@pytest.mark.parametrize("kv,fp8_path,H,heads,bs,topk,fmt,ragged", STEP_CASES)
+def test_step_mixed_batch(kv, fp8_path, H, heads, bs, topk, fmt, ragged):
     g = torch.Generator().manual_seed(H * 100 + bs)
     w8, s = kv_b_proj_fp8(H, g)
     impl = SparseMLAImpl(H, SCALE, kv, max_model_len=64, fp8_path=fp8_path,
@@ -92,9 +95,12 @@ def test_step_mixed_batch(kv, fp8_path, H, heads, bs, topk, fmt):
     step = Step(impl, MIXED_BATCH, block_size=bs, topk=topk, padding=2, seed=H + bs)
     plan = step.plan(impl, threshold=3)
     idx = index_inputs(step, heads, fmt, seed=bs)
+    host = dict(query_lens_cpu=step.qlens, seq_lens_cpu=step.seq, decode_threshold=3) if ragged else {}
     iplan = build_indexer_plan(step.query_start_loc, step.seq_lens, step.block_table,
-                               req_id_per_token=plan.req_id_per_token, max_context=64)
+                               req_id_per_token=plan.req_id_per_token, max_context=64, **host)
     assert iplan.context_lens.tolist() == token_context_lens(step)
+    # decodes (query_len <= 3) first: 8 paged rows, then the 30 prefill tokens in one chunk
+    assert (iplan.num_paged_tokens, len(iplan.ragged_chunks)) == ((8, 1) if ragged else (step.T, 0))
 
     layer = SparseAttentionStep(impl, topk=topk, index_format=fmt)
     layer.write_index_cache(idx.new_k, idx.cache, idx.slots)  # this step's keys; padding skipped
@@ -117,8 +123,10 @@ def test_step_mixed_batch(kv, fp8_path, H, heads, bs, topk, fmt):
     assert torch.count_nonzero(out[-2:]) == 0
 
 
-def test_long_rows_are_scored_in_blocks():
-    """A logits budget of one row at a time gives the same selection as one block."""
+@pytest.mark.parametrize("ragged", [False, True], ids=["paged", "ragged"])
+def test_long_rows_are_scored_in_blocks(ragged):
+    """A logits budget of one row at a time gives the same selection as one block: paged rows
+    one by one; ragged prefill requests one chunk each, the longest split by query rows."""
     g = torch.Generator().manual_seed(5)
     impl = SparseMLAImpl(2, SCALE, "fp8_ds_mla", max_model_len=64)
     impl.load_kv_b_proj(*(t.to(DEVICE) for t in kv_b_proj_fp8(2, g)))
@@ -128,10 +136,21 @@ def test_long_rows_are_scored_in_blocks():
     iplan = build_indexer_plan(step.query_start_loc, step.seq_lens, step.block_table,
                                num_tokens=step.T, max_context=64)
     whole = indexer_topk(idx.q_fp8, idx.weights, idx.cache, iplan, topk=8)
-    rowwise = indexer_topk(idx.q_fp8, idx.weights, idx.cache, iplan, topk=8, max_logits_bytes=4 * 64)
-    assert torch.equal(whole, rowwise)
+    if ragged:  # 4 * 64 * 4 bytes: at most 64 logits per chunk row block
+        small = build_indexer_plan(step.query_start_loc, step.seq_lens, step.block_table,
+                                   num_tokens=step.T, max_context=64, query_lens_cpu=step.qlens,
+                                   seq_lens_cpu=step.seq, decode_threshold=3, max_logits_bytes=4 * 64)
+        # prefills (10, 6) (0, 9) (22, 8) (5, 7): 6x16 rows split 4 + 2; 9x9 split 7 + 2;
+        # 8x30 split 2 + 2 + 2 + 2; 7x12 split 5 + 2
+        assert [c.token_end - c.token_start for c in small.ragged_chunks] == [4, 2, 7, 2, 2, 2, 2, 2, 5, 2]
+        rowwise = indexer_topk(idx.q_fp8, idx.weights, idx.cache, small, topk=8)
+    else:
+        rowwise = indexer_topk(idx.q_fp8, idx.weights, idx.cache, iplan, topk=8, max_logits_bytes=4 * 64)
+        assert torch.equal(whole, rowwise)
     want, logits_of = reference_selection(step, idx, 8, threshold=3)
-    assert_same_selection(whole[:-1], want[:-1], logits_of)
+    for got in (whole, rowwise):  # two kernels may break a tie of rounded sums differently
+        assert_same_selection(got[:-1], want[:-1], logits_of)
+        assert torch.all(got[-1] == -1)
 
 
 # ----------------------------------------------------------------------------------------------

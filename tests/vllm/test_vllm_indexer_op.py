@@ -247,6 +247,10 @@ def test_op_on_vllm_metadata(config, reqs, spec, bs, topk, heads, builder_len):
     with set_forward_context({layer.k_cache.prefix: md}, config):
         got = layer(hidden, idx.q_fp8, idx.new_k, idx.weights)
     assert got is buf
+    plan = vi._plan(md, T, 64)  # built by the layer, shared by every later layer of the step
+    assert vi._plan(md, T, 64) is plan
+    assert (plan.num_paged_tokens, len(plan.ragged_chunks)) == (
+        md.num_decode_tokens, len(md.prefill.chunks) if md.num_prefills else 0)
     assert torch.equal(idx.cache, want_cache)  # the step's keys, written byte for byte
     assert torch.all(buf[T:] == 12345) and torch.all(buf[:, topk:] == 12345)  # nothing else touched
     sel = buf[:T, :topk]
