@@ -36,13 +36,28 @@ _SPACE = ConfigSpace("sparse_mla_decode_kernel",
                      key=("H",), prune=_table)
 
 
-def _pick_config(q, H: int) -> dict:
-    """The config of the Triton kernel for H heads (`_SPACE.select`), as the planner reads it.
+def _model1_table(configs, named_args, *, H):
+    """The MODEL1 kernel (model1_kernel.py): the table above (its footprint is the same: eight
+    64-wide accumulators for four 128-wide ones), except that 32-head blocks step 32 keys where a
+    program has under 160 KB of shared memory: the 64-key step stages 128 KB on sm_90-class
+    pipelines, past sm_120's 99 KB (32-key steps: 80 KB there; tests/kernels/aot_compile.py)."""
+    big = arch_of(named_args["q_ptr"].device).smem_bytes >= 160 * 1024
+    return [c for c in _table(configs, named_args, H=H)
+            if c.kwargs["BLOCK_H"] == 16 or (c.kwargs["BLOCK_N"] == 64) == big]
+
+
+_M1_SPACE = ConfigSpace("sparse_mla_decode_model1_kernel",
+                        (_config(16, 32, 4, maxnreg=168), _config(16, 32, 4), _config(32, 64, 8),
+                         _config(32, 32, 8)), key=("H",), prune=_model1_table)
+
+
+def _pick_config(q, H: int, space=_SPACE) -> dict:
+    """The config of a Triton kernel for H heads (`space.select`), as the planner reads it.
 
     occupancy: programs of this config resident per SM (registers and shared memory), used to
     size the split count. 16-head blocks: 168 registers x 128 threads and 72 KB shared -> 3 per
     SM. 32-head blocks: one program of 8 warps per SM (255 registers)."""
-    c = _SPACE.select({"q_ptr": q}, H=H)
+    c = space.select({"q_ptr": q}, H=H)
     return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, maxnreg=c.maxnreg,
                 occupancy=3 if c.kwargs["BLOCK_H"] == 16 else 1)
 
@@ -85,9 +100,9 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
     return best
 
 
-def _triton_config(q, H: int, config) -> dict:
-    """The Triton kernel's config for H heads, updated with a pinned `config` (tests, sweeps)."""
-    cfg = _pick_config(q, H)
+def _triton_config(q, H: int, config, space=_SPACE) -> dict:
+    """A Triton kernel's config for H heads, updated with a pinned `config` (tests, sweeps)."""
+    cfg = _pick_config(q, H, space)
     if config:
         cfg.update(config)
     return cfg

@@ -30,6 +30,7 @@ from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_fact
                                                       sink_factor, softmax_step)
 from openmla.kernels.sparse_mla_decode.triton_kernel import _load_rows, _pv, _split4
 from openmla.quant.e4m3 import e4m3_to_f16
+from openmla.quant.ue8m0 import ue8m0_to_f32
 
 
 @triton.jit
@@ -39,14 +40,6 @@ def _split8(x):
     x0, x2, x4, x6 = _split4(ev)
     x1, x3, x5, x7 = _split4(od)
     return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _ue8m0_to_f32(b):
-    """ue8m0 bytes -> fp32 2^(b - 127), exactly: byte 0 is 2^-127 (an fp32 subnormal), 255 NaN."""
-    e = b.to(tl.int32)
-    x = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
-    return tl.where(e == 255, float("nan"), x)
 
 
 @triton.jit
@@ -85,7 +78,7 @@ def _attend(b_m, b_l, b_r, b_o0, b_o1, b_o2, b_o3, b_o4, b_o5, b_o6, b_or,
         # leave it unset), split in registers; unread bytes come back 0 = 2^-127, under every R_t
         p_s = cache_ptr + b_blk + block_size * REC + b_tok * SCALE_BYTES
         b_sb = tl.load(p_s[:, None] + o_sb[None, :], mask=m_kv[:, None] & (o_sb < NT)[None, :], other=0)
-        b_sv = _ue8m0_to_f32(b_sb)
+        b_sv = ue8m0_to_f32(b_sb)  # exact; byte 255 is NaN (a fault)
         b_s0, b_s1, b_s2, b_s3, b_s4, b_s5, b_s6, _ = _split8(b_sv)
         b_sc = _scores(b_q0, b_k0, b_s0)
         b_sc += _scores(b_q1, b_k1, b_s1)

@@ -25,7 +25,8 @@ import triton
 
 from openmla.kernels.sparse_mla_decode import sm90 as _sm90
 from openmla.kernels.sparse_mla_decode import sm90_kn as _kn
-from openmla.kernels.sparse_mla_decode.config import _head_blocks, _pick_config, _splits, _triton_config
+from openmla.kernels.sparse_mla_decode.config import (_M1_SPACE, _head_blocks, _pick_config, _splits,
+                                                      _triton_config)
 from openmla.kernels.sparse_mla_decode.model1_kernel import sparse_mla_decode_model1_kernel
 from openmla.kernels.sparse_mla_decode.triton_kernel import (sparse_mla_decode_kernel,
                                                              sparse_mla_decode_merge_kernel)
@@ -172,11 +173,10 @@ def _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt, config, num
     """(grid, ints, constexprs, splits) of the MODEL1 kernel (kernels/sparse_mla_decode/
     model1_kernel.py). Its program walks one split of the joined list: the main indices, then from
     XSTART (topk rounded up to BLOCK_N) the extra ones; the splits are sized over that length as
-    for the fp8_ds_mla kernel (its register and shared-memory footprint is the same: eight
-    64-wide accumulators for four 128-wide ones)."""
+    for the fp8_ds_mla kernel (config.py: _M1_SPACE)."""
     T, H, _ = q.shape
     topk = indices.shape[1]
-    cfg = _triton_config(q, H, config)
+    cfg = _triton_config(q, H, config, _M1_SPACE)
     block_h, num_hb = _head_blocks(cfg, H)
     block_n = cfg["BLOCK_N"]
     xtopk = extra_indices.shape[1] if extra_cache is not None else 0

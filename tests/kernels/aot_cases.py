@@ -48,6 +48,16 @@ def _decode(fmt, T, H, topk, *, extras, strided):
     return lambda: sparse_mla_decode(q, cache, _ints(T, topk), scale=0.1, **opt)
 
 
+def _decode_model1(T, H, *, extra):
+    """sparse_mla_decode over FlashMLA's MODEL1 view (block 256), with an extra cache (block 2) and
+    both lengths and a sink (DeepSeek-V4's window + compressed caches), or the main cache alone."""
+    cache = FP8_MODEL1.empty_cache(4, 256)
+    q = torch.zeros(T, H, 512, dtype=BF16)
+    opt = dict(topk_length=_ints(T, hi=128), attn_sink=torch.zeros(H), extra_cache=FP8_MODEL1.empty_cache(
+        64, 2), extra_indices=_ints(T, 512), extra_topk_length=_ints(T, hi=512)) if extra else {}
+    return lambda: sparse_mla_decode(q, cache, _ints(T, 128), scale=0.1, **opt)
+
+
 def _prefill(T, H, topk, *, extras):
     q = torch.zeros(T, H, 576, dtype=BF16)
     kv = torch.zeros(256, 576, dtype=BF16)
@@ -62,6 +72,9 @@ def sparse_cases():
         yield f"decode-{fmt.name}-H{H}-T{T}{'-len-sink' if extras else ''}" \
               f"{'-strided' if strided else ''}", _decode(fmt, T, H, topk, extras=extras,
                                                           strided=strided)
+    for H, T, extra in itertools.product((16, 64, 128), (1, 64), (False, True)):
+        yield f"decode-fp8_model1-H{H}-T{T}{'-extra-len-sink' if extra else ''}", \
+            _decode_model1(T, H, extra=extra)
     for H, extras in itertools.product((16, 32, 64, 128), (False, True)):
         yield f"prefill-H{H}{'-len-sink' if extras else ''}", _prefill(4, H, 2048, extras=extras)
 
@@ -222,7 +235,8 @@ def indexer_cases():
 # (the second decode config, 16-head prefill blocks, int8_qk, the bf16 MLA writer). The full
 # set (`full=True`) runs every class on every target.
 CORE = (
-    "decode-fp8_ds_mla-H16-T1-len-sink-strided", "prefill-H64-len-sink",
+    "decode-fp8_ds_mla-H16-T1-len-sink-strided", "decode-fp8_model1-H64-T1-extra-len-sink",
+    "prefill-H64-len-sink",
     "write_mla_cache-fp8_ds_mla", "gather_upconvert", "write_model1_cache", "gather_upconvert-fp8_model1",
     "paged-gqa4-d128-decode-bfloat16-fp8", "paged-gqa4-d128-prefill-bfloat16-same",
     "paged-gqa4-d128-decode-bfloat16-int8_qkv",
@@ -231,7 +245,7 @@ CORE = (
     "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row",
 )
 EXTRA = (
-    "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "prefill-H16", "write_mla_cache-bf16",
+    "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "decode-fp8_model1-H16-T64", "prefill-H16", "write_mla_cache-bf16",
     "paged-gqa4-d128-spec4-float16-int8_qk", "paged-mha-d64-sinks-window-prefill-bfloat16-same",
     "varlen-H16-Hkv16-D64",
 )
