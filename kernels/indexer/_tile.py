@@ -5,6 +5,7 @@ QR * HP rows of one dot, so a tile of keys is loaded once for every head and row
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -22,11 +23,19 @@ def fp8_dot(arch: Arch) -> bool:
     return arch.backend == "hip" and arch.arch == "gfx950"
 
 
+def operand_view(t: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """e4m3fn bytes (float8_e4m3fn or uint8) as the kernels take them: float8_e4m3fn for the fp8
+    dot, uint8 otherwise (NVIDIA before sm_89 has no fp8 pointer type in Triton 3.6)."""
+    return t.view(torch.float8_e4m3fn if fp8 else torch.uint8)
+
+
 @triton.jit
 def as_dot_operand(b, FP8_DOT: tl.constexpr, E4M3: tl.constexpr):
-    """uint8 e4m3fn bytes -> the dtype the dot takes."""
+    """What a load of q or k gives -> the dtype the dot takes. With FP8_DOT the tensors arrive as
+    float8e4nv pointers and the loaded tile goes to the dot untouched (so the load can be
+    pipelined straight into shared memory); otherwise they arrive as uint8 bytes, widened here."""
     if FP8_DOT:
-        y = b.to(tl.float8e4nv, bitcast=True)
+        y = b
     else:
         y = e4m3_to_f16(b, E4M3)
     return y
@@ -37,14 +46,14 @@ def load_query_block(q_ptr, w_ptr, o_row, m_row, stride_qr, stride_qh, stride_wr
                      QR: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
                      FP8_DOT: tl.constexpr, E4M3: tl.constexpr):
     """Rows o_row [QR] (int64 row numbers; m_row masks rows that do not exist) of q [*, H, D]
-    (uint8 e4m3fn bytes) and of the folded weights [*, H] fp32.
+    (e4m3fn: fp8 or uint8 pointer, see as_dot_operand) and of the folded weights [*, H] fp32.
 
     Returns (b_q [QR * HP, D] dot operand, b_w [QR * HP] fp32: 0 for padded heads and rows)."""
     o_h = tl.arange(0, HP)
     o_d = tl.arange(0, D)
     m_qh = m_row[:, None] & (o_h[None, :] < H)  # [QR, HP]
     p_q = q_ptr + o_row[:, None, None] * stride_qr + o_h[None, :, None] * stride_qh + o_d[None, None, :]
-    b_q = tl.load(p_q, mask=m_qh[:, :, None], other=0)
+    b_q = tl.load(p_q, mask=m_qh[:, :, None], other=0.0)
     b_q = tl.reshape(b_q, (QR * HP, D))
     b_w = tl.load(w_ptr + o_row[:, None] * stride_wr + o_h[None, :], mask=m_qh, other=0.0)
     return as_dot_operand(b_q, FP8_DOT, E4M3), tl.reshape(b_w.to(tl.float32), (QR * HP,))
@@ -57,8 +66,12 @@ def weighted_relu_logits(b_q, b_w, b_k, b_scale, QR: tl.constexpr, HP: tl.conste
 
     b_q [QR * HP, D], b_k [BLOCK_N, D] dot operands; b_w [QR * HP] fp32; b_scale [BLOCK_N] fp32.
     Returns [QR, BLOCK_N] fp32. NaN in a product stays NaN through the ReLU (a fault stays
-    visible, as torch.relu keeps it)."""
-    s = tl.dot(b_q, tl.trans(b_k))  # [QR * HP, BLOCK_N], fp32 accumulation
-    s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * b_w[:, None]
-    s = tl.sum(tl.reshape(s, (QR, HP, BLOCK_N)), axis=1)
-    return s * b_scale[None, :]
+    visible, as torch.relu keeps it).
+
+    Keys are the dot's rows and heads its columns: the head sum then runs along the
+    accumulator's columns, which an MMA layout keeps inside a warp (shuffles), where a sum over
+    its rows would cross warps through shared memory every tile."""
+    s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, QR * HP], fp32 accumulation
+    s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * b_w[None, :]
+    s = tl.sum(tl.reshape(s, (BLOCK_N, QR, HP)), axis=2) * b_scale[:, None]
+    return tl.trans(s)

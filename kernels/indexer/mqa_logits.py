@@ -16,7 +16,7 @@ import triton.language as tl
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.device import arch_of, num_sms
 from openmla.quant.validate import check_same_device, check_tensor, fail
-from openmla.kernels.indexer._tile import (as_dot_operand, fp8_dot, load_query_block,
+from openmla.kernels.indexer._tile import (as_dot_operand, fp8_dot, load_query_block, operand_view,
                                            weighted_relu_logits)
 
 __all__ = ["mqa_logits"]
@@ -74,7 +74,7 @@ def mqa_logits_kernel(
         o_p = i_n * BLOCK_N + o_n
         m_k = (o_p >= lo) & (o_p < hi)  # keys nobody in the block sees are never read
         b_k = tl.load(k_ptr + o_p.to(tl.int64)[:, None] * stride_kn + o_d[None, :],
-                      mask=m_k[:, None], other=0)
+                      mask=m_k[:, None], other=0.0)
         b_sc = tl.load(ks_scale_ptr + o_p, mask=m_k, other=0.0)
         b_l = weighted_relu_logits(b_q, b_w, as_dot_operand(b_k, FP8_DOT, E4M3), b_sc,
                                    BLOCK_M, HP, BLOCK_N)
@@ -136,10 +136,11 @@ def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale:
         return m_blocks, max(1, min(triton.cdiv(S, meta["BLOCK_N"]), triton.cdiv(2 * sms, m_blocks)))
 
     k_scale = k_scale if k_scale.stride(0) == 1 else k_scale.contiguous()
+    fp8 = fp8_dot(arch)
     mqa_logits_kernel[grid](
-        q.view(torch.uint8), weights, k.view(torch.uint8), k_scale, ks.contiguous(), ke.contiguous(), out,
+        operand_view(q, fp8), weights, operand_view(k, fp8), k_scale, ks.contiguous(), ke.contiguous(), out,
         q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0),
         T, H, S,
-        HP=triton.next_power_of_2(H), D=D, CLEAN=clean_logits, FP8_DOT=fp8_dot(arch), E4M3=arch.e4m3,
+        HP=triton.next_power_of_2(H), D=D, CLEAN=clean_logits, FP8_DOT=fp8, E4M3=arch.e4m3,
     )
     return out

@@ -16,7 +16,7 @@ import triton.language as tl
 from openmla.kernels.device import arch_of, num_sms
 from openmla.quant.indexer_cache import INDEXER_K_FP8, indexer_k_format_of
 from openmla.quant.validate import check_same_device, check_tensor, fail
-from openmla.kernels.indexer._tile import (as_dot_operand, fp8_dot, load_query_block,
+from openmla.kernels.indexer._tile import (as_dot_operand, fp8_dot, load_query_block, operand_view,
                                            weighted_relu_logits)
 
 __all__ = ["paged_mqa_logits"]
@@ -61,7 +61,7 @@ def paged_mqa_logits_kernel(
         page = tl.where(m_k, page, 0)
         o_off = o_p % block_size
         p_k = cache_ptr + page[:, None] * stride_cb + o_off[:, None] * D + o_d[None, :]
-        b_k = tl.load(p_k, mask=m_k[:, None], other=0)
+        b_k = tl.load(p_k, mask=m_k[:, None], other=0.0)
         # scale_ptr is the cache as fp32 words: block stride / 4, scales after block_size * D bytes
         b_sc = tl.load(scale_ptr + page * (stride_cb // 4) + block_size * (D // 4) + o_off,
                        mask=m_k, other=0.0)
@@ -145,12 +145,14 @@ def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
     ctx_n = context_lens.stride(1) if per_row else 0
     HP = triton.next_power_of_2(H)
     NP = max(triton.next_power_of_2(N), 16 // min(HP, 16))  # a dot needs >= 16 rows
+    fp8 = fp8_dot(arch)
     paged_mqa_logits_kernel[(B, splits)](
-        q.view(torch.uint8), weights, cache, cache.view(torch.float32), context_lens, block_table, out,
+        operand_view(q, fp8), weights, operand_view(cache, fp8), cache.view(torch.float32),
+        context_lens, block_table, out,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), cache.stride(0), ctx_b, ctx_n,
         block_table.stride(0), out.stride(0),
         N, H, cache.shape[1], cache.shape[0], block_table.shape[1], max_model_len, splits,
         NP=NP, HP=HP, D=D, BLOCK_N=block_n, PER_ROW_CTX=per_row, CLEAN=clean_logits,
-        FP8_DOT=fp8_dot(arch), E4M3=arch.e4m3, num_warps=4,
+        FP8_DOT=fp8, E4M3=arch.e4m3, num_warps=4,
     )
     return out

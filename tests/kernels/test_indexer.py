@@ -114,6 +114,29 @@ def test_paged_logits_faults_stay_visible():
     assert torch.isnan(got[1, :30]).all() and torch.isinf(got[1, 30:]).all()
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_logits_gpu_paths(arch):
+    """The paths other GPUs take, run in the interpreter: sm_90's fp8 dot on float8 pointers,
+    sm_80's integer e4m3 widening to an fp16 dot (kernels.device.assume)."""
+    from openmla.kernels.device import ARCHES, assume
+    q, w, cache, table = _paged_batch([37, 9], 2, 64, 16, seed=21)
+    cl = torch.tensor([37, 9], dtype=torch.int32, device=DEVICE)
+    want = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=40)
+    ks = torch.tensor([0, 0, 3], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([5, 40, 9], dtype=torch.int32, device=DEVICE)
+    vals, sc = INDEXER_K_FP8.read_ref(cache)
+    k8, ksc = vals[table[0, :3].long()].reshape(-1, D).view(torch.float8_e4m3fn), sc[table[0, :3].long()].reshape(-1)
+    qr, wr = q[0], w[:2]
+    qr = torch.cat([qr, q[1, :1]])
+    wr = torch.cat([wr, w[2:3]])
+    want_r = mqa_logits_ref(qr, wr, k8, ksc, ks, ke)
+    with assume(ARCHES[arch]):
+        got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=40, block_n=16)
+        got_r = mqa_logits(qr, wr, k8, ksc.contiguous(), ks, ke)
+    assert_close("paged logits", got, want)
+    assert_close("ragged logits", got_r, want_r)
+
+
 RAGGED = [  # (ks, ke, S)
     pytest.param([0, 0, 0, 5, 5, 5, 5], [1, 2, 3, 6, 7, 8, 9], 9, id="causal-2req"),
     pytest.param([0, 3, 10, 140, 7, 20, -5], [40, 3, 100, 150, 2, 400, 6], 150, id="irregular-empty-clip"),
