@@ -271,3 +271,73 @@ def test_refusals():
         s.plan(compressed={1: (plan.compressed[4].block_table, 4)})
     with pytest.raises(ValueError, match="buffers.window_slots.shape"):
         s.plan(buffers=V4PlanBuffers.allocate(s.T, 4, DEVICE))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: DeepSeek-V4's sizes (window 128, top-k 512 over a ratio-4 cache, block 64 / 16) and CUDA
+# graphs (the plan rebuilt into the same buffers between replays)
+# ------------------------------------------------------------------------------------------------
+BIG_STEP = [(700, 1)] * 6 + [(300, 2), (129, 1), (0, 40), (1000, 17)]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="V4-sized steps: too slow for the CPU interpreter")
+@pytest.mark.parametrize("H,ratio,topk", [pytest.param(64, 4, 512, id="C4A-H64-topk512"),
+                                          pytest.param(128, 128, 0, id="C128A-H128"),
+                                          pytest.param(16, 1, 0, id="window-only-H16")])
+def test_v4_sizes_match_oracle(H, ratio, topk):
+    s = V4Step(BIG_STEP, H=H, window=128, window_bs=64, ratio=ratio, comp_bs=64 // max(ratio, 1) or 1,
+               topk=topk, padding=3, seed=H + ratio, max_model_len=1024)
+    want, _ = s.oracle()
+    assert_close("out", s.forward().float(), want, "sparse_decode_model1")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: CUDA graph capture")
+@pytest.mark.parametrize("ratio,topk", [pytest.param(4, 64, id="C4A"), pytest.param(8, 0, id="C128A-style")])
+def test_cuda_graph_replays_the_next_steps_plan(ratio, topk):
+    """forward_mqa captured with a plan built into V4PlanBuffers over persistent engine tensors;
+    the next step's values are written into the same tensors, its plan rebuilt into the same
+    buffers (with CUDA's sync debug mode "error": no host read) and the graph replayed: bit for
+    bit what an eager call on the next step gives."""
+    steps = [V4Step([(30, 1), (17, 1), (50, 1)], H=16, window=16, window_bs=8, ratio=ratio, comp_bs=4,
+                    topk=topk, padding=1, seed=10 + k) for k in range(2)]
+    a, b = steps
+    # engine tensors: step a's, overwritten in place with step b's (same shapes: same batch sizes)
+    qsl, seq, wtable, T = (x.clone() if isinstance(x, torch.Tensor) else x for x in a.plan_args)
+    ctable = a.plan_kw["compressed"][ratio][0].clone()
+    bufs = V4PlanBuffers.allocate(T, 16, DEVICE)
+    q, win, comp = a.q.clone(), a.window_cache.clone(), a.comp_cache.clone()
+    idx = a.indices.clone() if topk else None
+
+    def build():
+        return build_sparse_mla_v4_plan(qsl, seq, wtable, T, **{**a.plan_kw, "compressed": {ratio: (ctable, 4)},
+                                                                "buffers": bufs})
+
+    plan = build()
+
+    def fwd():
+        return a.impl.forward_mqa(q, win, plan, compressed_cache=comp, compressed_indices=idx)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fwd()
+    for src, dst in ((b.plan_args[0], qsl), (b.plan_args[1], seq), (b.plan_args[2], wtable),
+                     (b.plan_kw["compressed"][ratio][0], ctable), (b.q, q), (b.window_cache, win),
+                     (b.comp_cache, comp)) + (((b.indices, idx),) if topk else ()):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        build()  # the next step's plan, into the same buffers
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph.replay()
+    # the captured layer (a's weights: its sink) on step b's inputs, eagerly, with b's own plan
+    want = a.impl.forward_mqa(b.q, b.window_cache, b.plan(), compressed_cache=b.comp_cache,
+                              compressed_indices=b.indices)
+    assert torch.equal(out, want)
+    assert not torch.equal(out, a.forward())  # the replay computed step b, not step a again
