@@ -252,14 +252,16 @@ class SparseMLAImpl:
         # every conversion bounds an index by its own request's seq_len (request isolation)
         td = plan.num_decode_tokens
         if td == T:  # every row through the decode kernel: no slices (decode-only steps)
+            n_local = None
             if plan.dcp is None:
                 idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table,
                                                   topk_indices, bs, seq_lens=plan.seq_lens)
-            else:  # this rank's share of the top-k, bounded by its local lengths
-                idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table,
-                                                  plan.dcp.local_indices(topk_indices), bs,
-                                                  seq_lens=plan.local_seq_lens)
-            _, lse = sparse_mla_decode(q, cache, idx, scale=self.scale, out=out, fmt=self.cache_format)
+            else:  # this rank's share of the top-k, in front, bounded by its local lengths
+                local, n_local = plan.dcp.local_topk(topk_indices)
+                idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table, local,
+                                                  bs, seq_lens=plan.local_seq_lens)
+            _, lse = sparse_mla_decode(q, cache, idx, scale=self.scale, topk_length=n_local, out=out,
+                                       fmt=self.cache_format)
             return (out, lse) if return_lse else out
         if return_lse:
             raise NotImplementedError("SparseMLAImpl.forward_mqa(return_lse=True) with a separate-path "

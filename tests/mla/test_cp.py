@@ -52,6 +52,12 @@ def test_layout_matches_vllm_virtual_blocks(n, i):
                 continue
             owner, local = _owner_local(p, n, i)
             assert g == (local if owner == rank else -1), (n, i, rank, p, g)
+        rows = pos.view(2, -1).flip(1)
+        front, lengths = cp.local_topk(rows)
+        for r in range(2):
+            mine = [v for v in cp.local_indices(rows[r]).tolist() if v >= 0]  # in row order
+            assert lengths[r].item() == len(mine)
+            assert front[r].tolist() == mine + [-1] * (rows.shape[1] - len(mine))
         seqs = torch.tensor([0, 1, 2, 5, 17, 64, 130, 1001], dtype=torch.int32)
         want = [sum(_owner_local(p, n, i)[0] == rank for p in range(s)) for s in seqs.tolist()]
         assert cp.local_seq_lens(seqs).tolist() == want
