@@ -56,7 +56,10 @@ class IndexerPlan:
     positions [0, context_len)), block_table [R, M] int32 (the requests' index-cache blocks; an
     entry < 0 is unmapped and its tokens are never read).
 
-    Paths: tokens [0, num_paged_tokens) are scored one paged row each; ragged_chunks
+    Paths: tokens [0, num_paged_tokens) are scored one paged row each, through
+    paged_block_table [P, M] int32 (the token's request row of block_table; all -1 for a token of
+    no request) and paged_context_lens [P] int32 (0 for such a token, so that it selects nothing
+    rather than the -inf positions of a row of -1), expanded once per step; ragged_chunks
     (mla/sparse/indexer_ragged.py: prefill requests against their gathered keys) cover token
     ranges after them; tokens in neither select nothing (padding).
     """
@@ -69,7 +72,21 @@ class IndexerPlan:
     context_lens: torch.Tensor
     block_table: torch.Tensor
     num_paged_tokens: int
+    paged_block_table: torch.Tensor
+    paged_context_lens: torch.Tensor
     ragged_chunks: tuple = ()
+
+
+def _paged_rows(req: torch.Tensor, ctx: torch.Tensor, block_table: torch.Tensor):
+    """(paged_block_table, paged_context_lens) of tokens with requests `req` and context
+    lengths `ctx` (IndexerPlan)."""
+    R, M = block_table.shape
+    if R == 0 or M == 0:
+        return (torch.full((req.shape[0], max(M, 1)), -1, dtype=torch.int32, device=req.device),
+                torch.zeros_like(ctx))
+    own = (req >= 0) & (req < R)
+    rows = block_table[req.clamp(0, R - 1).long()]
+    return torch.where(own[:, None], rows, -1), torch.where(own, ctx, 0)
 
 
 def _positive_int(name: str, x) -> int:
@@ -99,9 +116,11 @@ def indexer_plan_from_tokens(req_id_per_token: torch.Tensor, context_lens: torch
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < T_all:
             fail("num_tokens", f"an int >= {T_all} (the tokens given)", repr(num_tokens))
         T_all = num_tokens
+    table, ctx = _paged_rows(req_id_per_token, context_lens, block_table)
     return IndexerPlan(num_tokens=T_all, num_reqs=block_table.shape[0], max_context=max_context,
                        device=device, req_id_per_token=req_id_per_token,
                        context_lens=context_lens, block_table=block_table, num_paged_tokens=T,
+                       paged_block_table=table, paged_context_lens=ctx,
                        ragged_chunks=tuple(ragged_chunks))
 
 
@@ -181,23 +200,11 @@ def build_indexer_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     fail(f"seq_lens_cpu[{i}]", f">= query_lens_cpu[{i}] = {qlens[i]} >= 0", seqs[i])
             chunks = tuple(ragged_chunks(qlens[nd:], seqs[nd:], first_req=nd, first_token=paged,
                                          block_table=block_table, max_logits_bytes=max_logits_bytes))
+    table, pctx = _paged_rows(req_id_per_token[:paged], ctx[:paged], block_table)
     return IndexerPlan(num_tokens=T, num_reqs=R, max_context=max_context, device=device,
                        req_id_per_token=req_id_per_token, context_lens=ctx, block_table=block_table,
-                       num_paged_tokens=paged, ragged_chunks=chunks)
-
-
-def _token_rows(plan: IndexerPlan, t0: int, t1: int):
-    """Tokens [t0, t1) as paged rows: ([n, M] int32, each token's request row of the block
-    table, -1 for a token of no request; [n] int32 context lengths, 0 for such a token, so that
-    it selects nothing rather than the -inf positions of a table row of -1)."""
-    req, ctx = plan.req_id_per_token[t0:t1], plan.context_lens[t0:t1]
-    R, M = plan.num_reqs, plan.block_table.shape[1]
-    if R == 0 or M == 0:
-        return (torch.full((t1 - t0, max(M, 1)), -1, dtype=torch.int32, device=plan.device),
-                torch.zeros_like(ctx))
-    own = (req >= 0) & (req < R)
-    rows = plan.block_table[req.clamp(0, R - 1).long()]
-    return torch.where(own[:, None], rows, -1), torch.where(own, ctx, 0)
+                       num_paged_tokens=paged, paged_block_table=table, paged_context_lens=pctx,
+                       ragged_chunks=chunks)
 
 
 def indexer_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
@@ -243,7 +250,7 @@ def indexer_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     rows = max(1, max_logits_bytes // (4 * W))
     for t0 in range(0, P, rows):
         t1 = min(P, t0 + rows)
-        table, ctx = _token_rows(plan, t0, t1)
+        table, ctx = plan.paged_block_table[t0:t1], plan.paged_context_lens[t0:t1]
         # columns past a row's context are left unwritten: the top-k reads [0, context_len) only
         logits = paged_mqa_logits(q_fp8[t0:t1].unsqueeze(1), weights[t0:t1], index_cache, ctx,
                                   table, max_model_len=W, fmt=fmt, clean_logits=False)

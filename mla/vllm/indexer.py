@@ -34,6 +34,7 @@ compression (compress_ratio > 1, DeepSeek-V4), V4.1 candidate blocks, decode or 
 parallelism, and skipping the cache insert (prefill context parallelism).
 """
 # no `from __future__ import annotations`: torch infers the custom op's schema from the hints
+import dataclasses
 import os
 from typing import Optional
 
@@ -144,10 +145,9 @@ def _plan(md, T: int, max_model_len: int):
         lens = md.decode.per_req_decode_lens[:B]
         qsl = torch.zeros(B + 1, dtype=torch.int32, device=dev)
         torch.cumsum(lens, 0, out=qsl[1:])
-        paged = build_indexer_plan(qsl, md.seq_lens[:B], md.block_table[:B], num_tokens=Td,
-                                   max_context=width)
-        plan = indexer_plan_from_tokens(paged.req_id_per_token, paged.context_lens, paged.block_table,
-                                        max_context=width, ragged_chunks=tuple(chunks), num_tokens=T)
+        plan = dataclasses.replace(
+            build_indexer_plan(qsl, md.seq_lens[:B], md.block_table[:B], num_tokens=Td, max_context=width),
+            num_tokens=T, ragged_chunks=tuple(chunks))
     else:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         plan = indexer_plan_from_tokens(empty, empty, md.block_table, max_context=width,

@@ -103,6 +103,19 @@ def test_registered_by_the_plugin_in_a_fresh_process():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_piecewise_graphs_split_where_vllm_splits():
+    """Where vLLM's indexer op is a piecewise-graph split point, ours becomes one too."""
+    name = f"vllm::{vi.OP_NAME}"
+    for given, want in ((["vllm::unified_attention_with_output"], ["vllm::unified_attention_with_output"]),
+                        (["vllm::sparse_attn_indexer"], ["vllm::sparse_attn_indexer", name]),
+                        (["vllm::sparse_attn_indexer", name], ["vllm::sparse_attn_indexer", name])):
+        cfg = VllmConfig()
+        cfg.compilation_config.splitting_ops = list(given)
+        make_layer(cfg, torch.zeros(2, 4, 132, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.int32),
+                   8, 64, prefix=f"split.{len(given)}.{given[0]}")
+        assert cfg.compilation_config.splitting_ops == want
+
+
 @pytest.mark.parametrize("kw,match", [
     pytest.param(dict(use_fp4_cache=True), "use_fp4_cache", id="fp4"),
     pytest.param(dict(compress_ratio=4), "compress_ratio=4", id="compressed"),
