@@ -22,10 +22,10 @@ Conventions: FlashMLA's decode returns lse [b, h_q, s_q] and its prefill lse [s_
 log, +inf for a row with no valid index; unpad returns [T, H] with -inf there (openmla's). FlashMLA
 skips only the index -1 (it does not bound-check others), so invalid indices become -1 in prepare.
 
-DeepSeek-V4 (MODEL1, DESIGN.md): when openmla's MODEL1 decode and prefill land, their bench entries
-get a Peer the same way: prepare views the [num_blocks, block_size, 1, 584] cache (and the optional
-extra cache, its indices and extra_topk_length) and calls flash_mla_with_kvcache with q of head
-dim 512, kv_format="V4" and use_legacy=True. The prefill peer already serves d_qk 512 rows
+DeepSeek-V4 (MODEL1, DESIGN.md): DECODE_V4_PEER views the [num_blocks, block_size, 1, 584] caches
+(the main and the extra one), regroups the T = batch * s_q tokens as FlashMLA's [batch, s_q, ...]
+with per-request lengths, and calls flash_mla_with_kvcache with q of head dim 512, kv_format="V4"
+and use_legacy=True (sparse_mla_decode_v4). The prefill peer serves d_qk 512 rows too
 (sparse_mla_prefill_v4: flash_mla_sparse_fwd on the bf16 rows, its sink padded with -inf).
 Everything after prepare (timing, unpadding, comparison, columns) is shared.
 """
@@ -141,6 +141,57 @@ def decode_peer(ours=_decode_ours) -> Peer:
     kernels.sparse_mla_decode; entries that reach the same kernel another way pass their own."""
     return Peer(name="flash_mla_with_kvcache", prepare=_decode_prepare, call=_decode_call,
                 unpad=_decode_unpad, ours=ours)
+
+
+# --------------------------------------------------------------------------------------------
+# sparse decode over DeepSeek-V4 (MODEL1) caches, with the extra cache: flash_mla_with_kvcache
+def _decode_v4_prepare(x: dict, fm) -> dict:
+    q, s_q = x["q"], x["s_q"]
+    T, H, _ = q.shape
+    hp = padded_heads(H)
+    b = T // s_q
+
+    def per_request(t):  # openmla's per-token rows [T, ...] -> FlashMLA's [b, s_q, ...]
+        return t.view(b, s_q, *t.shape[1:])
+
+    def lengths(name):  # FlashMLA's lengths are per request: every token of one carries the same
+        n = x.get(name)
+        if n is None:
+            return None
+        if not bool((per_request(n) == per_request(n)[:, :1]).all()):
+            raise NotMeasured(f"{name} differs between the tokens of a request (FlashMLA's is per request)")
+        return per_request(n)[:, 0].contiguous()
+
+    kw = dict(topk_length=lengths("topk_length"), extra_topk_length=lengths("extra_topk_length"))
+    if x.get("extra_cache") is not None:
+        extra = x["extra_cache"]
+        kw.update(extra_k_cache=extra, extra_indices_in_kvcache=per_request(
+            _minus_one_invalid(x["extra_indices"], extra.shape[0] * extra.shape[1])).contiguous())
+    if x.get("attn_sink") is not None:
+        kw["attn_sink"] = _pad_sink(x["attn_sink"], hp)
+    cache = x["cache"]
+    return {
+        "fm": fm, "heads": H, "scale": x["scale"], "meta": fm.get_mla_metadata()[0],
+        "kwargs": dict(kw, kv_format="V4", **_legacy_kwargs(fm.flash_mla_with_kvcache)),
+        "q": per_request(_pad_heads(q, hp)),  # [b, s_q, hp, 512]
+        "cache": cache, "indices": per_request(_minus_one_invalid(
+            x["indices"], cache.shape[0] * cache.shape[1])).contiguous(),
+    }
+
+
+def _decode_v4_unpad(px: dict, raw) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = raw  # [b, s_q, hp, 512], [b, hp, s_q]
+    h = px["heads"]
+    return out[:, :, :h].flatten(0, 1), _openmla_lse(lse[:, :h].transpose(1, 2).flatten(0, 1))
+
+
+def _decode_v4_ours(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+    return sparse_mla_decode(x["q"], x["cache"], x["indices"], **x["kwargs"])
+
+
+DECODE_V4_PEER = Peer(name="flash_mla_with_kvcache (V4)", prepare=_decode_v4_prepare, call=_decode_call,
+                      unpad=_decode_v4_unpad, ours=_decode_v4_ours)
 
 
 # --------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ import torch
 from openmla.tools._bench_core import GPU, REGISTRY, Case, NotMeasured, Op, Peer, register, rel_l2  # noqa: E402,F401  (re-exported)
 # The op entries: each module registers its ops on import.
 from openmla.tools import _bench_mla  # noqa: E402,F401
+from openmla.tools import _bench_mla_v4  # noqa: E402,F401
 from openmla.tools import _bench_mha  # noqa: E402,F401
 from openmla.tools import _bench_step  # noqa: E402,F401
 from openmla.tools import _bench_indexer  # noqa: E402,F401
