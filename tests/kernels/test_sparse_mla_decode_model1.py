@@ -283,6 +283,39 @@ def test_out_argument_and_custom_op():
                            kw["extra_indices"], None), test_utils=("test_schema", "test_faketensor"))
 
 
+@GPU_ONLY
+@pytest.mark.parametrize("H", [16, 64])
+def test_cuda_graph_replay_with_new_inputs(H):
+    """Captured once (main + extra cache, both lengths, sink), replayed with new q, indices,
+    lengths and cache bytes: each replay matches the oracle for the inputs it saw (the op reads no
+    device tensor on the host)."""
+    T, topk, xtopk = 32, 128, 512
+    q, cache, idx, kw = make_case(T, H, topk, 40, 256, (xtopk, 600, 2), seed=H)
+    kw.update(topk_length=lengths([topk] * T), extra_topk_length=lengths([xtopk] * T),
+              attn_sink=torch.randn(H).to(DEVICE))
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=DEVICE)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compile) outside the capture
+        sparse_mla_decode(q, cache, idx, scale=SCALE, out=out, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = sparse_mla_decode(q, cache, idx, scale=SCALE, out=out, **kw)
+    for seed in (1, 2):
+        q2, cache2, idx2, kw2 = make_case(T, H, topk, 40, 256, (xtopk, 600, 2), seed=100 + seed, q_mul=2.0)
+        for dst, src in ((q, q2), (cache, cache2), (idx, idx2), (kw["extra_cache"], kw2["extra_cache"]),
+                         (kw["extra_indices"], kw2["extra_indices"])):
+            dst.copy_(src)
+        kw["topk_length"].copy_(torch.randint(0, topk + 5, (T,), dtype=torch.int32))
+        kw["extra_topk_length"].copy_(torch.randint(-1, xtopk + 5, (T,), dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_lse = sparse_mla_decode_ref(q, cache, idx, scale=SCALE, **kw)
+        assert_close("out", out, want, "sparse_decode_model1")
+        assert_close("lse", lse, want_lse, "lse")
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad arguments: ValueError naming the tensor, before any launch.
 # ----------------------------------------------------------------------------------------------
