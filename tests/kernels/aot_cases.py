@@ -58,9 +58,10 @@ def _decode_model1(T, H, *, extra):
     return lambda: sparse_mla_decode(q, cache, _ints(T, 128), scale=0.1, **opt)
 
 
-def _prefill(T, H, topk, *, extras):
-    q = torch.zeros(T, H, 576, dtype=BF16)
-    kv = torch.zeros(256, 576, dtype=BF16)
+def _prefill(T, H, topk, *, extras, d_qk=576):
+    """sparse_mla_prefill over rows of d_qk 576 (V3.2) or 512 (V4: the Triton kernel on every GPU)."""
+    q = torch.zeros(T, H, d_qk, dtype=BF16)
+    kv = torch.zeros(256, d_qk, dtype=BF16)
     opt = dict(topk_length=_ints(T, hi=topk), attn_sink=torch.zeros(H)) if extras else {}
     return lambda: sparse_mla_prefill(q, kv, _ints(T, topk), scale=0.1, **opt)
 
@@ -77,6 +78,8 @@ def sparse_cases():
             _decode_model1(T, H, extra=extra)
     for H, extras in itertools.product((16, 32, 64, 128), (False, True)):
         yield f"prefill-H{H}{'-len-sink' if extras else ''}", _prefill(4, H, 2048, extras=extras)
+    for H in (16, 32, 64, 128):
+        yield f"prefill-d512-H{H}-len-sink", _prefill(4, H, 1024, extras=True, d_qk=512)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +239,7 @@ def indexer_cases():
 # set (`full=True`) runs every class on every target.
 CORE = (
     "decode-fp8_ds_mla-H16-T1-len-sink-strided", "decode-fp8_model1-H64-T1-extra-len-sink",
-    "prefill-H64-len-sink",
+    "prefill-H64-len-sink", "prefill-d512-H64-len-sink",
     "write_mla_cache-fp8_ds_mla", "gather_upconvert", "write_model1_cache", "gather_upconvert-fp8_model1",
     "paged-gqa4-d128-decode-bfloat16-fp8", "paged-gqa4-d128-prefill-bfloat16-same",
     "paged-gqa4-d128-decode-bfloat16-int8_qkv",
