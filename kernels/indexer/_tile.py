@@ -71,7 +71,13 @@ def weighted_relu_logits(b_q, b_w, b_k, b_scale, QR: tl.constexpr, HP: tl.conste
     Keys are the dot's rows and heads its columns: the head sum then runs along the
     accumulator's columns, which an MMA layout keeps inside a warp (shuffles), where a sum over
     its rows would cross warps through shared memory every tile."""
-    s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, QR * HP], fp32 accumulation
+    # [BLOCK_N, QR * HP] in fp32. sm_90's fp8 MMA keeps its running sum at reduced precision
+    # (about 14 mantissa bits); by default Triton lets it run over the whole K = 128.
+    # max_num_imprecise_acc=32 adds each 32-deep MMA step into an fp32 accumulator instead (3
+    # FADDs per accumulator register a tile), so a logit is off by at most about 2^-9 of
+    # sum_h |w_h| sum_d |q_hd k_d| * scale, where the whole K would allow 4x that. (0 would
+    # drop wgmma for mma.sync.) Other dot types ignore it.
+    s = tl.dot(b_k, tl.trans(b_q), max_num_imprecise_acc=32)
     s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * b_w[None, :]
     s = tl.sum(tl.reshape(s, (BLOCK_N, QR, HP)), axis=2) * b_scale[:, None]
     return tl.trans(s)
