@@ -58,6 +58,7 @@ from openmla.tools import _bench_mla_v4  # noqa: E402,F401
 from openmla.tools import _bench_mha  # noqa: E402,F401
 from openmla.tools import _bench_step  # noqa: E402,F401
 from openmla.tools import _bench_indexer  # noqa: E402,F401
+from openmla.tools import _bench_indexer_step  # noqa: E402,F401
 from openmla.tools import _bench_peer  # noqa: E402
 from openmla.quant.kv_cache import quantize_fp8_per_tensor as fp8_per_tensor  # noqa: E402,F401  (tools/sweep.py)
 from triton.runtime.errors import InterpreterError  # noqa: E402
