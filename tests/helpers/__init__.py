@@ -85,6 +85,19 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: str = "f
             raise AssertionError(f"{name}: cosine distance {cos_dist:.3g} > {max_cos} ({tol})")
 
 
+def capture(fn):
+    """(CUDA graph, fn's output inside it): one warm-up call on a side stream, then the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def invalid_indices(num_slots: int) -> list[int]:
     """Every kind of invalid index for a table of num_slots rows (DESIGN.md: < 0 or >= slots)."""
     return [INT32_MIN, -123456, -1, num_slots, num_slots + 7, INT32_MAX]

@@ -28,7 +28,7 @@ from openmla.mla.mha.impl import PagedAttentionImpl
 from openmla.mla.sparse.impl import SparseMLAImpl
 from openmla.mla.vllm.common import attention_plan, sparse_mla_plan
 from openmla.quant.kv_cache import quantize_fp8_per_tensor
-from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, random_paged_cache
+from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, capture, random_paged_cache
 from tests.helpers.sparse import N_NOPE, ROPE, SCALE, L, kv_b_proj_fp8
 from tests.helpers.vllm import EngineBuffers
 
@@ -46,19 +46,6 @@ def no_host_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
-
-
-def capture(fn):
-    """(graph, fn's output inside it): one warm-up call on a side stream, then the capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 class Requests:

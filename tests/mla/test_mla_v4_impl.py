@@ -24,7 +24,7 @@ from openmla.kernels.reference import sparse_mla_ref
 from openmla.mla.sparse.v4_impl import SparseMLAV4Impl
 from openmla.mla.sparse.v4_plan import V4PlanBuffers, build_sparse_mla_v4_plan
 from openmla.quant import FP8_MODEL1
-from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, assert_close, shuffled_block_table
+from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, assert_close, capture, shuffled_block_table
 
 D = 512
 SCALE = 0.061
@@ -317,14 +317,7 @@ def test_cuda_graph_replays_the_next_steps_plan(ratio, topk):
     def fwd():
         return a.impl.forward_mqa(q, win, plan, compressed_cache=comp, compressed_indices=idx)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fwd()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fwd()
+    graph, out = capture(fwd)
     for src, dst in ((b.plan_args[0], qsl), (b.plan_args[1], seq), (b.plan_args[2], wtable),
                      (b.plan_kw["compressed"][ratio][0], ctable), (b.q, q), (b.window_cache, win),
                      (b.comp_cache, comp)) + (((b.indices, idx),) if topk else ()):
