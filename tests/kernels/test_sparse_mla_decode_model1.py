@@ -197,31 +197,72 @@ def test_forced_splits(num_splits):
     assert_close("lse", lse, want_lse, "lse")
 
 
-def test_speculative_tokens_flashmla_generator():
-    """FlashMLA's decode generator, b = 2 requests of s_q = 2 tokens: q in [-1, 1], keys
-    N(0, 1) / 10 clamped to [-1, 1] written into shuffled blocks, each request's lengths shared
-    by its tokens (FlashMLA's topk_length is per request: expanded to T = b * s_q rows), -1 for
-    positions past a request's cache length, sinks with +-inf heads."""
-    b, s_q, H, topk, xtopk = 2, 2, 64, 64, 40
-    g = torch.Generator().manual_seed(11)
-    q = torch.randn(b * s_q, H, 512, generator=g).clamp(-1, 1).bfloat16().to(DEVICE)
-    kw = {}
-    for name, K, nb, bs, seq in (("", topk, 4, 64, [200, 30]), ("extra_", xtopk, 40, 2, [60, 0])):
-        idx = torch.full((b * s_q, K), -1, dtype=torch.int32)
-        table = torch.randperm(nb, generator=g)
-        for r in range(b):  # a request's tokens pick distinct positions of its own sequence
-            for t in range(r * s_q, (r + 1) * s_q):
-                pos = torch.randperm(seq[r], generator=g)[:K]
-                idx[t, :len(pos)] = (table[pos // bs] * bs + pos % bs).int()
-        stride = FP8_MODEL1.padded_block_bytes(bs)
-        k = (torch.randn(nb, bs, 512, generator=g) / 10).clamp(-1, 1).bfloat16()
-        kw[name + "cache"] = FP8_MODEL1.pack(k, block_stride=stride).to(DEVICE)
-        kw[name + "indices"] = idx.to(DEVICE)
-        kw[name + "topk_length"] = torch.randint(0, K + 1, (b,), generator=g, dtype=torch.int32
-                                                 ).repeat_interleave(s_q).to(DEVICE)
+def flashmla_case(b, s_q, H, lists, *, seed, zero_seqlen=False):
+    """FlashMLA's decode generator (tests/lib.py generate_testcase_for_decode) in openmla's layout:
+    T = b * s_q token rows. lists: ((s_k, topk, block_size, with_length), ...), the main list then
+    optionally the extra one. Per list: request lengths ~ N(s_k, s_k / 2) clipped to >= s_q (with
+    zero_seqlen 0 in both lists for request 0 and about half the others), each request's blocks from a shuffled table, each token
+    `topk` distinct positions of its request (-1 past its length), keys N(0, 1) / 10 clamped to
+    [-1, 1], every slot no counted index selects NaN (0xFF bytes, scales included), lengths drawn
+    per request in [0, topk] and given to each of its tokens. q in [-1, 1]; sinks with +-inf heads.
+    Returns (q, cache, indices, kw) for `check`."""
+    g = torch.Generator().manual_seed(seed)
+    T = b * s_q
+    q = torch.randn(T, H, 512, generator=g).clamp(-1, 1).bfloat16()
     sink = torch.randn(H, generator=g)
     sink[::4], sink[1::4] = float("inf"), NEG_INF
-    check(q, kw.pop("cache"), kw.pop("indices"), attn_sink=sink.to(DEVICE), **kw)
+    kw = {"attn_sink": sink.to(DEVICE)}
+    zero = (torch.rand(b, generator=g) < 0.5) | (torch.arange(b) == 0)  # request 0 always
+    for prefix, (s_k, K, bs, with_len) in zip(("", "extra_"), lists):
+        seq = torch.normal(float(s_k), s_k / 2, (b,), generator=g).clamp_min(s_q).long()
+        if zero_seqlen:
+            seq[zero] = 0
+        per_req = -(-max(int(seq.max()), 1) // (4 * bs)) * 4  # blocks a request, as FlashMLA pads
+        nb = b * per_req
+        table = torch.randperm(nb, generator=g).view(b, per_req)
+        idx = torch.full((T, K), -1, dtype=torch.int32)
+        for t in range(T):
+            pos = torch.randperm(int(seq[t // s_q]), generator=g)[:K]
+            idx[t, :len(pos)] = (table[t // s_q, pos // bs] * bs + pos % bs).int()
+        n = torch.randint(0, K + 1, (b,), generator=g, dtype=torch.int32).repeat_interleave(s_q) if with_len else None
+        cache = FP8_MODEL1.pack((torch.randn(nb, bs, 512, generator=g) / 10).clamp(-1, 1).bfloat16())
+        counted = idx.clone()
+        if n is not None:
+            counted[torch.arange(K)[None, :] >= n[:, None]] = -1
+        unused = torch.ones(nb * bs, dtype=torch.bool)
+        unused[counted[counted >= 0].long()] = False
+        view = FP8_MODEL1.block_view(cache)
+        view[:, :FP8_MODEL1.scales_offset(bs)].unflatten(1, (bs, FP8_MODEL1.record_bytes))[unused.view(nb, bs)] = 0xFF
+        view[:, FP8_MODEL1.scales_offset(bs):].unflatten(1, (bs, FP8_MODEL1.scale_stride))[unused.view(nb, bs)] = 0xFF
+        kw.update({prefix + "cache": cache.to(DEVICE), prefix + "indices": idx.to(DEVICE)})
+        if n is not None:
+            kw[prefix + "topk_length"] = n.to(DEVICE)
+    return q.to(DEVICE), kw.pop("cache"), kw.pop("indices"), kw
+
+
+FLASHMLA_CASES = [  # b, s_q, H, ((s_k, topk, block_size, with_length), extra or nothing), zero_seqlen
+    pytest.param(2, 2, 64, ((200, 64, 64, True), (60, 40, 2, True)), False, id="b2-sq2-H64-64bs64L+40bs2L"),
+    pytest.param(3, 1, 8, ((100, 37, 61, False), (50, 24, 2, True)), True, id="b3-sq1-H8-zero-seqlen"),
+    _gpu(4, 3, 64, ((512, 64, 2, True), (2046, 2048, 64, False)), False, id="b4-sq3-H64-64bs2L+2048bs64"),
+    _gpu(37, 3, 128, ((1024, 576, 61, False), (512, 64, 69, True)), False, id="b37-sq3-H128-576bs61+64bs69L"),
+    _gpu(4, 1, 128, ((2046, 2048, 576, True),), False, id="b4-sq1-H128-2048bs576L"),
+    _gpu(37, 3, 64, ((650, 576, 53, True), (512, 64, 61, True)), True, id="b37-sq3-H64-zero-seqlen"),
+    *[_gpu(4, 2, h, ((1024, 576, 61, True), (2046, 2048, 2, True)), False, id=f"b4-sq2-H{h}-576bs61L+2048bs2L")
+      for h in (1, 8, 16, 32, 48)],
+]
+
+
+@pytest.mark.parametrize("b,s_q,H,lists,zero_seqlen", FLASHMLA_CASES)
+def test_flashmla_generator(b, s_q, H, lists, zero_seqlen):
+    """FlashMLA's correctness and corner cases (its generator, s_q > 1: one index row a token),
+    and head counts FlashMLA cannot run."""
+    q, cache, idx, kw = flashmla_case(b, s_q, H, lists, seed=b * 10 + H, zero_seqlen=zero_seqlen)
+    got, lse = check(q, cache, idx, **kw)
+    if zero_seqlen:  # a request with no cache tokens in either list: out 0, lse -inf
+        empty = (idx < 0).all(1)
+        if "extra_indices" in kw:
+            empty &= (kw["extra_indices"] < 0).all(1)
+        assert bool(empty.any()) and bool((got[empty] == 0).all()) and bool((lse[empty] == NEG_INF).all())
 
 
 # ----------------------------------------------------------------------------------------------
