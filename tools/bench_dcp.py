@@ -90,7 +90,7 @@ def _local_copy(full: torch.Tensor, cp: ContextParallel, seq_lens, table, total:
 
 
 def _inputs(p, device):
-    B, C, H = p["batch"], p["context"], p["heads"]
+    B, C = p["batch"], p["context"]
     g = torch.Generator(device=device).manual_seed(1)
     per = -(-C // BS)
     nb = B * per + 1

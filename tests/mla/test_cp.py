@@ -23,12 +23,19 @@ import torch.multiprocessing as mp
 from openmla.kernels.index import convert_req_index_to_global
 from openmla.kernels.reference import merge_attn_states_ref
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
-from openmla.mla import PagedAttentionImpl, SparseMLAImpl, build_attention_plan, build_sparse_mla_plan
+from openmla.mla import PagedAttentionImpl, SparseMLAImpl, build_attention_plan
 from openmla.mla.cp import ContextParallel
-from tests.helpers import INT32_MAX, INT32_MIN, assert_close, nan_filled
+from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, assert_close, nan_filled
 
 BS = 4
 SCALE = 0.083
+# Where the multi-rank cases run: the CPU (gloo, the interpreter) or, on GPUs, cuda:<rank> with
+# NCCL (_worker sets it per rank; the references run on the parent's device).
+_DEV = torch.device(DEVICE)
+
+
+def _dev(x):
+    return x.to(_DEV)
 
 
 # ---------------------------------------------------------------------------- token layout
@@ -122,10 +129,10 @@ def test_merge_of_one_rank_applies_the_sink_as_the_kernel_does():
     """world_size 1: no collective; the sink folded in by the merge equals the decode kernel's
     own attn_sink (out scaled, lse unchanged), empty rows included."""
     g = torch.Generator().manual_seed(3)
-    cache = torch.randn(4, BS, 576, generator=g).to(torch.bfloat16)
-    q = torch.randn(3, 2, 576, generator=g).to(torch.bfloat16)
-    idx = torch.tensor([[0, 5, 9], [-1, -1, -1], [3, 15, 2]], dtype=torch.int32)
-    sink = torch.tensor([0.7, -1.3])
+    cache = _dev(torch.randn(4, BS, 576, generator=g).to(torch.bfloat16))
+    q = _dev(torch.randn(3, 2, 576, generator=g).to(torch.bfloat16))
+    idx = _dev(torch.tensor([[0, 5, 9], [-1, -1, -1], [3, 15, 2]], dtype=torch.int32))
+    sink = _dev(torch.tensor([0.7, -1.3]))
     want, want_lse = sparse_mla_decode(q, cache, idx, scale=SCALE, attn_sink=sink)
     part, lse = sparse_mla_decode(q, cache, idx, scale=SCALE)
     got, got_lse = ContextParallel(1, 0).merge(part, lse, attn_sink=sink)
@@ -161,8 +168,8 @@ def _sparse_step(n, interleave, seed):
         topk[t, :5] = torch.randint(0, s, (5,), generator=g)
         topk[t, 5:] = torch.tensor([-1, s, INT32_MAX if t % 2 else INT32_MIN])
     topk[2] = torch.tensor([-1, -123456, seqs[1], seqs[1] + 5, INT32_MAX, INT32_MIN, -7, 99])
-    return dict(seqs=seqs, qlens=qlens, bt=bt, kv_c=kv_c, k_pe=k_pe, topk=topk, T=T,
-                num_blocks=R * M + 3, interleave=interleave, n=n)
+    return dict(seqs=seqs, qlens=qlens, bt=_dev(bt), kv_c=_dev(kv_c), k_pe=_dev(k_pe),
+                topk=_dev(topk), T=T, num_blocks=R * M + 3, interleave=interleave, n=n)
 
 
 def _sparse_layer(st, cp, fmt, H, weights, *, fault_slot=None):
@@ -174,9 +181,9 @@ def _sparse_layer(st, cp, fmt, H, weights, *, fault_slot=None):
     width = 656 if fmt == "fp8_ds_mla" else 576
     dt = torch.uint8 if fmt == "fp8_ds_mla" else torch.bfloat16
     cache = nan_filled((st["num_blocks"], BS + 1, width), dt if dt != torch.uint8 else torch.float8_e4m3fn)
-    cache = cache.view(dt)[:, :BS]
-    seqs = torch.tensor(st["seqs"], dtype=torch.int32)
-    whole = torch.tensor([0] + st["seqs"]).cumsum(0).to(torch.int32)  # every token as "new"
+    cache = _dev(cache.view(dt)[:, :BS])
+    seqs = _dev(torch.tensor(st["seqs"], dtype=torch.int32))
+    whole = _dev(torch.tensor([0] + st["seqs"]).cumsum(0).to(torch.int32))  # every token as "new"
     lay = cp or ContextParallel(1, 0)
     slots = lay.slot_mapping(whole, seqs, st["bt"], BS, whole[-1].item())
     impl.write_cache(st["kv_c"], st["k_pe"], cache, slots)
@@ -186,15 +193,15 @@ def _sparse_layer(st, cp, fmt, H, weights, *, fault_slot=None):
         if local >= 0:
             row = cache[st["bt"][r, local // BS], local % BS]
             row[:8] = 0xFF if dt == torch.uint8 else float("nan")
-    qsl = torch.tensor([0] + st["qlens"]).cumsum(0).to(torch.int32)
-    plan = impl.build_plan(qsl, seqs, st["bt"], torch.full((st["T"],), -1), block_size=BS,
-                           decode_threshold=2)
+    qsl = _dev(torch.tensor([0] + st["qlens"]).cumsum(0).to(torch.int32))
+    plan = impl.build_plan(qsl, seqs, st["bt"], torch.full((st["T"],), -1, device=_DEV),
+                           block_size=BS, decode_threshold=2)
     return impl, cache, plan
 
 
 def _weights(heads, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(heads * 32, 512, generator=g) / 16).to(torch.bfloat16)
+    return _dev((torch.randn(heads * 32, 512, generator=g) / 16).to(torch.bfloat16))
 
 
 def _case_sparse_sharded(rank, n, fmt, interleave):
@@ -204,8 +211,8 @@ def _case_sparse_sharded(rank, n, fmt, interleave):
     cp = ContextParallel.from_group(None, interleave=interleave)
     w = _weights(n * H, 5).view(n, H * 32, 512)[rank]
     g = torch.Generator().manual_seed(7)
-    q_nope = torch.randn(st["T"], n * H, 16, generator=g).to(torch.bfloat16)
-    q_pe = torch.randn(st["T"], n * H, 64, generator=g).to(torch.bfloat16)
+    q_nope = _dev(torch.randn(st["T"], n * H, 16, generator=g).to(torch.bfloat16))
+    q_pe = _dev(torch.randn(st["T"], n * H, 64, generator=g).to(torch.bfloat16))
     mine = slice(rank * H, rank * H + H)
     out = {}
     for name, fault in (("clean", None), ("cache_fault", (1, int(st["topk"][1, 0])))):
@@ -221,8 +228,8 @@ def _ref_sparse_sharded(n, fmt, interleave):
     H = 2
     st = _sparse_step(n, interleave, seed=11)
     g = torch.Generator().manual_seed(7)
-    q_nope = torch.randn(st["T"], n * H, 16, generator=g).to(torch.bfloat16)
-    q_pe = torch.randn(st["T"], n * H, 64, generator=g).to(torch.bfloat16)
+    q_nope = _dev(torch.randn(st["T"], n * H, 16, generator=g).to(torch.bfloat16))
+    q_pe = _dev(torch.randn(st["T"], n * H, 64, generator=g).to(torch.bfloat16))
     out = {}
     for name, fault in (("clean", None), ("cache_fault", (1, int(st["topk"][1, 0])))):
         impl, cache, plan = _sparse_layer(st, None, fmt, n * H, _weights(n * H, 5), fault_slot=fault)
@@ -239,8 +246,8 @@ def _case_sparse_replicated_sink(rank, n, fmt, interleave):
     cp = ContextParallel.from_group(None, interleave=interleave, heads="replicated")
     impl, cache, plan = _sparse_layer(st, cp, fmt, 3, _weights(3, 6))
     g = torch.Generator().manual_seed(8)
-    q = torch.randn(st["T"], 3, 576, generator=g).to(torch.bfloat16)
-    sink = torch.tensor([0.5, -2.0, 3.0])
+    q = _dev(torch.randn(st["T"], 3, 576, generator=g).to(torch.bfloat16))
+    sink = _dev(torch.tensor([0.5, -2.0, 3.0]))
     part, lse = impl.forward_mqa(q, cache, st["topk"], plan, return_lse=True)
     out, lse = cp.merge(part, lse, attn_sink=sink)
     return dict(out=out, lse=lse)
@@ -250,10 +257,10 @@ def _ref_sparse_replicated_sink(n, fmt, interleave):
     st = _sparse_step(n, interleave, seed=12)
     impl, cache, plan = _sparse_layer(st, None, fmt, 3, _weights(3, 6))
     g = torch.Generator().manual_seed(8)
-    q = torch.randn(st["T"], 3, 576, generator=g).to(torch.bfloat16)
+    q = _dev(torch.randn(st["T"], 3, 576, generator=g).to(torch.bfloat16))
     idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table, st["topk"], BS,
                                       seq_lens=plan.seq_lens)
-    out, lse = sparse_mla_decode(q, cache, idx, scale=SCALE, attn_sink=torch.tensor([0.5, -2.0, 3.0]))
+    out, lse = sparse_mla_decode(q, cache, idx, scale=SCALE, attn_sink=_dev(torch.tensor([0.5, -2.0, 3.0])))
     return dict(out=out, lse=lse)
 
 
@@ -269,16 +276,18 @@ def _mha_step(n, H, H_kv, D, seed):
     T = sum(q for q, _ in MHA_REQS)
     q = torch.randn(T + 1, n * H, D, generator=g).to(torch.bfloat16)  # one padding row
     sinks = torch.randn(n * H, generator=g)
-    return dict(seqs=seqs, bt=bt, kv=kv, q=q, sinks=sinks, num_blocks=R * M + 2, T=T + 1)
+    return dict(seqs=seqs, bt=_dev(bt), kv=[_dev(x) for x in kv], q=_dev(q), sinks=_dev(sinks),
+                num_blocks=R * M + 2, T=T + 1)
 
 
 def _mha_layer(st, cp, H, H_kv, D, sinks, *, fault=False):
     impl = PagedAttentionImpl(H, D, SCALE, H_kv, sinks=sinks, softcap=30.0, dcp=cp)
-    caches = tuple(nan_filled((st["num_blocks"], BS + 1, H_kv, D), torch.bfloat16)[:, :BS] for _ in range(2))
+    caches = tuple(_dev(nan_filled((st["num_blocks"], BS + 1, H_kv, D), torch.bfloat16))[:, :BS]
+                   for _ in range(2))
     lay = cp or ContextParallel(1, 0)
     ctx = [c for _, c in MHA_REQS]
-    seqs = torch.tensor(ctx, dtype=torch.int32)
-    whole = torch.tensor([0] + ctx).cumsum(0).to(torch.int32)
+    seqs = _dev(torch.tensor(ctx, dtype=torch.int32))
+    whole = _dev(torch.tensor([0] + ctx).cumsum(0).to(torch.int32))
     from openmla.quant.kv_cache import write_kv_cache
     k = torch.cat([kv[0, :c] for kv, c in zip(st["kv"], ctx)])
     v = torch.cat([kv[1, :c] for kv, c in zip(st["kv"], ctx)])
@@ -286,8 +295,8 @@ def _mha_layer(st, cp, H, H_kv, D, sinks, *, fault=False):
         k[5, 0, 3] = float("nan")  # request 0's position 5: every query of request 0 reads it
     write_kv_cache(k, v, caches[0], caches[1], lay.slot_mapping(whole, seqs, st["bt"], BS, k.shape[0]))
     qlens = [q for q, _ in MHA_REQS]
-    qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
-    seq_lens = torch.tensor(st["seqs"], dtype=torch.int32)
+    qsl = _dev(torch.tensor([0] + qlens).cumsum(0).to(torch.int32))
+    seq_lens = _dev(torch.tensor(st["seqs"], dtype=torch.int32))
     plan = impl.build_plan(qsl, seq_lens, st["bt"], lay.slot_mapping(qsl, seq_lens, st["bt"], BS, st["T"]),
                            max_query_len=3, block_size=BS, decode_threshold=2, query_lens_cpu=qlens,
                            seq_lens_cpu=st["seqs"])
@@ -341,7 +350,7 @@ def _partials(rank, n):
         lse[5] = float("inf")
     if rank == n - 1:
         out[4, 1, 2] = float("inf")
-    return out.to(torch.bfloat16), lse
+    return _dev(out.to(torch.bfloat16)), _dev(lse)
 
 
 def _case_merge_rules(rank, n):
@@ -369,13 +378,21 @@ CASES = {
 
 
 def _worker(rank, n, port, path, names):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    global _DEV
     import tests.conftest  # noqa: F401  (the interpreter corrections, in this process too)
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    if DEVICE == "cuda":  # one GPU per rank, NCCL
+        _DEV = torch.device("cuda", rank)
+        torch.cuda.set_device(_DEV)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=n, device_id=_DEV)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=n)
     try:
         torch.manual_seed(0)
-        res = {name: CASES[name][0](rank, n, *CASES[name][2]) for name in names}
+        res = {name: {k: v.cpu() for k, v in CASES[name][0](rank, n, *CASES[name][2]).items()}
+               for name in names}
         torch.save(res, os.path.join(path, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -410,11 +427,42 @@ def _check(n, names, results):
                     assert bool(g.isnan().any())
 
 
+def _ranks(n):
+    return pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.device_count() < n,
+                              reason=f"NCCL runs one rank per GPU: {n} GPUs needed")
+
+
+@_ranks(2)
 def test_dcp_two_ranks(tmp_path):
     names = list(CASES)
     _check(2, names, _run(2, names, tmp_path))
 
 
+@_ranks(4)
 def test_dcp_four_ranks(tmp_path):
-    names = ["sparse_sharded_bf16", "mha_replicated_i2", "merge_rules"]
+    names = ["sparse_sharded_bf16", "merge_rules"]  # empty local sets: requests of 1 and 3 tokens
     _check(4, names, _run(4, names, tmp_path))
+
+
+# On the CPU every further case costs ~30 s of interpreter time per 4 processes: the rest run on
+# GPUs, or with OPENMLA_DCP_FULL=1.
+FULL = DEVICE == "cuda" or os.environ.get("OPENMLA_DCP_FULL", "0") == "1"
+FULL_ONLY = pytest.mark.skipif(not FULL, reason="the other 4-rank cases take CPU-minutes in the "
+                                                "interpreter: OPENMLA_DCP_FULL=1 (or GPUs) runs them")
+
+
+@pytest.mark.dcp_full
+@FULL_ONLY
+@_ranks(4)
+def test_dcp_four_ranks_every_case(tmp_path):
+    names = [k for k in CASES if k not in ("sparse_sharded_bf16", "merge_rules")]
+    _check(4, names, _run(4, names, tmp_path))
+
+
+@pytest.mark.dcp_full
+@pytest.mark.skipif(DEVICE != "cuda", reason="8 ranks: on GPUs (8 interpreter processes on a "
+                                             "CPU run for many minutes)")
+@_ranks(8)
+def test_dcp_eight_ranks(tmp_path):
+    names = list(CASES)
+    _check(8, names, _run(8, names, tmp_path))
