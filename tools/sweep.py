@@ -515,6 +515,11 @@ def report(result: dict) -> str:
     ]
     for p in result["pending"]:
         lines.append(f"- pending `{p['format']}` ({p['family']}): {p['why']}")
+    if result.get("indexer"):
+        from openmla.tools._sweep_indexer import indexer_table
+        lines += ["", "DSA indexer: the top-k set that the fp8 path (ue8m0 q, fp8_indexer cache) selects vs "
+                  "fp32 math on the unquantized bf16 q, k (tools/_sweep_indexer.py):", "",
+                  indexer_table(result["indexer"])]
     if result["round_trip"]:
         lines += ["", "MLA cache round trip (`unpack(pack(x))` against the bf16 input x, "
                   f"{result['round_trip'][0]['tokens']} tokens):", "", round_trip_table(result["round_trip"])]
@@ -621,6 +626,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", action="append", default=[], help="write FILE.json or FILE.csv (repeatable)")
     ap.add_argument("--plot", help="write a PNG (needs matplotlib: the 'plot' extra)")
+    ap.add_argument("--indexer", action="store_true", help="also the DSA indexer rows: how often fp8 logits "
+                    "change the selected top-k set vs fp32 (tools/_sweep_indexer.py)")
     args = ap.parse_args(argv)
     # Every argument is checked before the sweep runs (minutes on a GPU), so a typo costs nothing.
     for o in args.out:
@@ -661,6 +668,10 @@ def main(argv=None) -> int:
         "pending": [{"family": f.family, "format": f.name, "why": f.pending} for f in formats if f.pending],
         "round_trip": round_trip(2048, args.seed, args.data) if "mla" in args.family else [],
     }
+    if args.indexer:
+        from openmla.tools._sweep_indexer import GRIDS as INDEXER_GRIDS, indexer_rows
+        result["indexer"] = indexer_rows(args.data, INDEXER_GRIDS[grid_name], sample=sample, seed=args.seed,
+                                         run_kernels=GPU)
     result["seconds"] = time.time() - t0
     print(report(result))
     for o in args.out:
