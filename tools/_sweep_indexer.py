@@ -62,7 +62,8 @@ def indexer_rows(kinds, grid: list, *, sample, seed: int = 0, device=None, run_k
             gen = torch.Generator(device=device).manual_seed(
                 seed ^ zlib.crc32(f"indexer-{S}-{k}-{kind}".encode()))
             keys, gain = sample(kind, (S, D), gen, device)
-            q = torch.randn(T, H, D, generator=gen, device=device) / gain  # scores keep their spread
+            # q of the gaussian kind (divided by the key gains: scores keep their spread)
+            q = sample("gaussian", (T, H, D), gen, device)[0] / gain
             w = torch.randn(T, H, generator=gen, device=device)
             q, keys = q.bfloat16(), keys.bfloat16()
             ref = _logits_ref(q, w, keys)
