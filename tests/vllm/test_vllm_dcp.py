@@ -13,8 +13,8 @@ with the rank swapped; no collective is needed there: vLLM's MLA layer merges), 
 NaN-filled cache written by the impl's do_kv_cache_update with the rank's slot mapping, and
 merges the two (out, lse) that forward_mqa returns with vLLM's own reference combine
 (vllm.v1.attention.ops.dcp._lse_weighted_combine): the result equals one rank holding every
-token. The paged MHA layer's DCP forward needs a real process group: tests/mla/test_cp.py runs it
-on gloo.
+token. OPENMLA_ATTN's forward merges over a real process group: its test runs 2 gloo processes
+(vLLM's DCP group a stand-in over the default group) against one process holding every token.
 """
 from types import SimpleNamespace
 
