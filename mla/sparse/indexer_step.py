@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from openmla.kernels.indexer import paged_mqa_logits, topk_per_row
+from openmla.kernels.indexer import decode_topk, paged_mqa_logits
 from openmla.mla.sparse.impl import SparseMLAImpl
 from openmla.mla.sparse.indexer_ragged import ragged_chunks, ragged_topk
 from openmla.mla.sparse.plan import SparseMLAPlan, _host_ints
@@ -56,10 +56,14 @@ class IndexerPlan:
     positions [0, context_len)), block_table [R, M] int32 (the requests' index-cache blocks; an
     entry < 0 is unmapped and its tokens are never read).
 
-    Paths: tokens [0, num_paged_tokens) are scored one paged row each, through
-    paged_block_table [P, M] int32 (the token's request row of block_table; all -1 for a token of
-    no request) and paged_context_lens [P] int32 (0 for such a token, so that it selects nothing
-    rather than the -inf positions of a row of -1), expanded once per step; ragged_chunks
+    Paths: tokens [0, num_paged_tokens) are scored as paged rows in groups of paged_next_n
+    (one request's tokens, its keys read once for all of them): group g holds tokens
+    [g * n, (g + 1) * n), its block-table row paged_block_table[g] and its request's seq_len
+    paged_context_lens[g] (row j sees positions < seq_len - n + 1 + j). With n = 1 (any batch)
+    every token is its own group: the token's request row of block_table (all -1 for a token of
+    no request) and its context length (0 for such a token, so that it selects nothing rather
+    than the -inf positions of a row of -1), expanded once per step; n > 1 when the step's
+    decodes are all n tokens long (speculative decoding). ragged_chunks
     (mla/sparse/indexer_ragged.py: prefill requests against their gathered keys) cover token
     ranges after them; tokens in neither select nothing (padding).
     """
@@ -75,6 +79,7 @@ class IndexerPlan:
     paged_block_table: torch.Tensor
     paged_context_lens: torch.Tensor
     ragged_chunks: tuple = ()
+    paged_next_n: int = 1
 
 
 def _paged_rows(req: torch.Tensor, ctx: torch.Tensor, block_table: torch.Tensor):
@@ -183,28 +188,34 @@ def build_indexer_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         r = req_id_per_token.clamp(0, R - 1).long()
         ctx = seq_lens[r] - query_start_loc[r + 1] + tokens + 1
         ctx = torch.where(own, ctx, 0).clamp_(min=0).to(torch.int32)
-    paged, chunks = T, ()
+    paged, chunks, next_n = T, (), 1
     if query_lens_cpu is not None and seq_lens_cpu is not None:
         _positive_int("decode_threshold", decode_threshold)
         _positive_int("max_logits_bytes", max_logits_bytes)
         qlens, seqs = _host_ints("query_lens_cpu", query_lens_cpu, R), _host_ints("seq_lens_cpu", seq_lens_cpu, R)
+        if sum(qlens) > T or any(q < 0 for q in qlens):
+            fail("query_lens_cpu", f"lengths >= 0 summing to <= num tokens {T}", qlens)
         nd = 0
         while nd < R and qlens[nd] <= decode_threshold:
             nd += 1
-        if nd < R:
+        if nd and qlens[0] > 1 and qlens[:nd] == [qlens[0]] * nd:  # uniform speculative decodes
+            next_n, paged = qlens[0], nd * qlens[0]
+        elif nd < R:
             paged = sum(qlens[:nd])
-            if paged + sum(qlens[nd:]) > T:
-                fail("sum(query_lens_cpu)", f"<= num tokens {T}", sum(qlens))
+        if nd < R:
             for i in range(nd, R):
-                if not 0 <= qlens[i] <= seqs[i]:
-                    fail(f"seq_lens_cpu[{i}]", f">= query_lens_cpu[{i}] = {qlens[i]} >= 0", seqs[i])
-            chunks = tuple(ragged_chunks(qlens[nd:], seqs[nd:], first_req=nd, first_token=paged,
+                if qlens[i] > seqs[i]:
+                    fail(f"seq_lens_cpu[{i}]", f">= query_lens_cpu[{i}] = {qlens[i]}", seqs[i])
+            chunks = tuple(ragged_chunks(qlens[nd:], seqs[nd:], first_req=nd, first_token=sum(qlens[:nd]),
                                          block_table=block_table, max_logits_bytes=max_logits_bytes))
-    table, pctx = _paged_rows(req_id_per_token[:paged], ctx[:paged], block_table)
+    if next_n > 1:  # groups of next_n tokens: the decode requests' own rows and seq_lens
+        table, pctx = block_table[:paged // next_n], seq_lens[:paged // next_n]
+    else:
+        table, pctx = _paged_rows(req_id_per_token[:paged], ctx[:paged], block_table)
     return IndexerPlan(num_tokens=T, num_reqs=R, max_context=max_context, device=device,
                        req_id_per_token=req_id_per_token, context_lens=ctx, block_table=block_table,
                        num_paged_tokens=paged, paged_block_table=table, paged_context_lens=pctx,
-                       ragged_chunks=chunks)
+                       ragged_chunks=chunks, paged_next_n=next_n)
 
 
 def indexer_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
@@ -244,17 +255,18 @@ def indexer_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_cache: torch.
         check_tensor("out", out, dtype=torch.int32, shape=(T, topk), last_dim_contiguous=True)
     check_same_device(q_fp8=q_fp8, weights=weights, index_cache=index_cache, out=out,
                       **{"plan tensors": plan.context_lens})
-    W, P = plan.max_context, plan.num_paged_tokens
+    W, P, n = plan.max_context, plan.num_paged_tokens, plan.paged_next_n
     if P < T:
         out[P:].fill_(-1)  # ragged chunks overwrite their rows; the rest is padding
-    rows = max(1, max_logits_bytes // (4 * W))
-    for t0 in range(0, P, rows):
-        t1 = min(P, t0 + rows)
-        table, ctx = plan.paged_block_table[t0:t1], plan.paged_context_lens[t0:t1]
-        # columns past a row's context are left unwritten: the top-k reads [0, context_len) only
-        logits = paged_mqa_logits(q_fp8[t0:t1].unsqueeze(1), weights[t0:t1], index_cache, ctx,
-                                  table, max_model_len=W, fmt=fmt, clean_logits=False)
-        topk_per_row(logits, ctx, topk, out=out[t0:t1])
+    groups = max(1, max_logits_bytes // (4 * W * n))
+    for g0 in range(0, P // n, groups):
+        g1 = min(P // n, g0 + groups)
+        t0, t1 = g0 * n, g1 * n
+        table, ctx = plan.paged_block_table[g0:g1], plan.paged_context_lens[g0:g1]
+        # columns past a row's end are left unwritten: the top-k reads [0, row end) only
+        logits = paged_mqa_logits(q_fp8[t0:t1].unflatten(0, (g1 - g0, n)), weights[t0:t1], index_cache,
+                                  ctx, table, max_model_len=W, fmt=fmt, clean_logits=False)
+        decode_topk(logits, ctx, n, topk, out=out[t0:t1])
     for ch in plan.ragged_chunks:
         ragged_topk(q_fp8, weights, index_cache, fmt, ch, topk, out)
     return out

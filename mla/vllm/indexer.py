@@ -116,8 +116,10 @@ def _plan(md, T: int, max_model_len: int):
     Decode tokens (vLLM puts decode requests first) are paged rows: request b has
     per_req_decode_lens[b] query tokens, the last at position seq_lens[b] - 1 (the causal rule of
     build_indexer_plan over a query_start_loc of those lengths); tokens past their sum (CUDA-graph
-    padding) belong to no request. The logits are max_model_len wide while a graph may be captured,
-    else the step's max_seq_len.
+    padding) belong to no request. An eager step of uniform speculative decodes (vLLM's host
+    decode_is_uniform and write_max_decode_len = n) scores each request's n rows together; a
+    captured one keeps one row per token, right for any decode lengths a replay brings. The
+    logits are max_model_len wide while a graph may be captured, else the step's max_seq_len.
     Prefill chunks take the ragged path over vLLM's own bounds: chunk row i sees the gathered rows
     [ks[i], ke[i]); gathered row j is position j - cu_seq_lens[r] of the chunk's request r.
     """
@@ -148,6 +150,11 @@ def _plan(md, T: int, max_model_len: int):
         plan = dataclasses.replace(
             build_indexer_plan(qsl, md.seq_lens[:B], md.block_table[:B], num_tokens=Td, max_context=width),
             num_tokens=T, ragged_chunks=tuple(chunks))
+        n = md.decode.write_max_decode_len
+        if not capturing and n > 1 and md.decode.decode_is_uniform and Td == B * n:
+            # uniform speculative decodes, eager: each request's n rows read its keys once
+            plan = dataclasses.replace(plan, paged_next_n=n, paged_block_table=md.block_table[:B],
+                                       paged_context_lens=md.seq_lens[:B])
     else:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         plan = indexer_plan_from_tokens(empty, empty, md.block_table, max_context=width,

@@ -22,8 +22,8 @@ from openmla.mla.sparse.indexer_step import (
     SparseAttentionStep, build_indexer_plan, indexer_plan_from_tokens, indexer_topk,
 )
 from openmla.quant.indexer_cache import INDEXER_K_FP8, INDEXER_K_FP8_RAW, write_indexer_k_cache
-from tests.helpers import DEVICE, assert_close, random_paged_cache
-from tests.helpers.indexer import D_INDEX, IndexInputs, assert_same_selection
+from tests.helpers import DEVICE, assert_close, random_paged_cache, shuffled_block_table
+from tests.helpers.indexer import D_INDEX, IndexInputs, assert_same_selection, oracle_selection
 from tests.helpers.sparse import MIXED_BATCH, SCALE, V_DIM, Step, kv_b_proj_fp8, reference_weight
 
 
@@ -151,6 +151,39 @@ def test_long_rows_are_scored_in_blocks(ragged):
     for got in (whole, rowwise):  # two kernels may break a tie of rounded sums differently
         assert_same_selection(got[:-1], want[:-1], logits_of)
         assert torch.all(got[-1] == -1)
+
+
+@pytest.mark.parametrize("reqs,pad", [
+    pytest.param([(30, 3), (47, 3), (20, 3), (10, 6), (0, 9)], 2, id="spec3-then-prefills"),
+    pytest.param([(30, 2), (5, 2), (47, 2)], 3, id="spec2-decode-only-padded"),
+])
+def test_uniform_speculative_decodes_score_each_request_once(reqs, pad):
+    """Decodes of one length n > 1 (host lengths given) are paged in groups of n rows per request,
+    the same selection as one row per token and as the oracles."""
+    g = torch.Generator().manual_seed(len(reqs))
+    bs, topk, R = 16, 10, len(reqs)
+    T = sum(n for _, n in reqs) + pad
+    nblk = [-(-(c + n) // bs) for c, n in reqs]
+    bt = shuffled_block_table(R, max(nblk), R * max(nblk) + 3, generator=g, device="cpu")
+    for r in range(R):
+        bt[r, nblk[r]:] = -1
+    bt = bt.to(DEVICE)
+    idx = IndexInputs(reqs, bt, R * max(nblk) + 3, bs, T, 8, INDEXER_K_FP8, seed=4)
+    idx.write_new()
+    qlens, seqs = [n for _, n in reqs], [c + n for c, n in reqs]
+    qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    seq_lens = torch.tensor(seqs, dtype=torch.int32, device=DEVICE)
+    grouped = build_indexer_plan(qsl, seq_lens, bt, num_tokens=T, max_context=64, query_lens_cpu=qlens,
+                                 seq_lens_cpu=seqs, decode_threshold=3)
+    n, nd = qlens[0], sum(1 for q in qlens if q <= 3)
+    assert (grouped.paged_next_n, grouped.num_paged_tokens) == (n, nd * n)
+    per_token = build_indexer_plan(qsl, seq_lens, bt, num_tokens=T, max_context=64)
+    assert per_token.paged_next_n == 1
+    want, logits_of = oracle_selection(idx, bt, topk)
+    for plan in (grouped, per_token):
+        got = indexer_topk(idx.q_fp8, idx.weights, idx.cache, plan, topk=topk)
+        assert_same_selection(got[:T - pad], want[:T - pad], logits_of)
+        assert torch.all(got[T - pad:] == -1)
 
 
 # ----------------------------------------------------------------------------------------------

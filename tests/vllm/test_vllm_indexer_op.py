@@ -264,6 +264,7 @@ def test_op_on_vllm_metadata(config, reqs, spec, bs, topk, heads, builder_len):
     assert vi._plan(md, T, 64) is plan
     assert (plan.num_paged_tokens, len(plan.ragged_chunks)) == (
         md.num_decode_tokens, len(md.prefill.chunks) if md.num_prefills else 0)
+    assert plan.paged_next_n == (2 if spec else 1)  # eager uniform spec decodes: rows per request
     assert torch.equal(idx.cache, want_cache)  # the step's keys, written byte for byte
     assert torch.all(buf[T:] == 12345) and torch.all(buf[:, topk:] == 12345)  # nothing else touched
     sel = buf[:T, :topk]
