@@ -2,7 +2,8 @@
 
     step = SparseAttentionStep(mla_impl, topk=2048)                       # once per layer
     iplan = build_indexer_plan(query_start_loc, seq_lens, block_table,    # once per step
-                               req_id_per_token=plan.req_id_per_token, max_context=...)
+                               req_id_per_token=plan.req_id_per_token, max_context=...,
+                               query_lens_cpu=..., seq_lens_cpu=..., decode_threshold=...)
     step.write_index_cache(index_k, index_cache, slot_mapping)            # per layer
     out = step.forward(q_nope, q_pe, mla_cache, index_q, index_weights,   # per layer
                        index_cache, plan, iplan)
@@ -10,17 +11,26 @@
 Every query token t of the batch belongs to request req[t] and sees the first context_len[t]
 tokens of its request (causal: a token at position p of its request sees positions [0, p], so
 context_len = p + 1; decode, speculative decode and prefill tokens alike). The indexer scores
-those tokens against the request's index-K cache through the block table (paged, no gather
-into a contiguous workspace), keeps the top `topk` per token as positions within the request
-(-1 where the request has fewer visible tokens), and SparseMLAImpl attends over them.
+those tokens against the request's index-K cache, keeps the top `topk` per token as positions
+within the request (-1 where the request has fewer visible tokens), and SparseMLAImpl attends
+over them. A padding token (no request) selects nothing and its attention output is 0.
 
-One formulation covers decode, prefill and mixed batches: the rows differ only in their
-context length. A padding token (no request: req[t] outside the block table) has context
-length 0, so its row selects nothing and its attention output is 0.
+Two paths, one result:
+  * paged rows (kernels.indexer.paged_mqa_logits + decode_topk): tokens read their request's
+    keys through the block table, one row per token (any batch: decodes, speculative decodes of
+    any lengths, prefills, padding), or one group of n rows per request when the step's decodes
+    all have n tokens (the keys read once per request);
+  * ragged chunks (mla/sparse/indexer_ragged.py: kernels.indexer.mqa_logits + topk_per_row):
+    prefill requests scored against their keys gathered back to back, a block of rows per key
+    tile. build_indexer_plan takes this path for the requests after the leading decodes when
+    the host lengths are given.
 
-Logits rows are `max_context` wide (a host bound on every context length: the engine's
-max_seq_len for an eager step, its max_model_len for a step captured in a CUDA graph, whose
-shapes must not depend on the batch). Tokens are scored in row blocks whose logits fit
+CUDA graphs: build_indexer_plan without host lengths reads nothing from the device and makes
+every launch depend on T, the heads and max_context only, so a decode step's plan and selection
+can be captured together and replayed for any decode batch padded to T (the vLLM hookup does
+this inside its op; tests/mla/test_indexer_cudagraph.py). Logits rows are `max_context` wide (a
+host bound on every context length: the engine's max_seq_len for an eager step, its
+max_model_len for a captured one). Rows are scored in blocks whose logits fit
 `max_logits_bytes`, so a long prefill never materializes its whole T x max_context matrix.
 """
 from __future__ import annotations
