@@ -1,5 +1,5 @@
 """Cache formats and packers (the lowest layer: kernels and mla import from here)."""
-from .format_types import FAMILIES, MHA, SPARSE_MLA, CacheFormat, CacheTensor, Scale
+from .format_types import FAMILIES, INDEXER, MHA, SPARSE_MLA, CacheFormat, CacheTensor, Scale
 from .mla_formats import (
     BF16_MLA,
     FP8_DS_MLA,
@@ -23,7 +23,7 @@ from .mha_formats import (
 from .formats import CACHE_FORMATS, cache_format, formats, kv_cache_dtype_names
 
 __all__ = [
-    "FAMILIES", "MHA", "SPARSE_MLA", "CacheFormat", "CacheTensor", "Scale",
+    "FAMILIES", "INDEXER", "MHA", "SPARSE_MLA", "CacheFormat", "CacheTensor", "Scale",
     "BF16_MLA", "FP8_DS_MLA", "FP8_DS_MLA_RAW", "FP8_E4M3_MAX",
     "BF16MLAFormat", "FP8DSMLAFormat", "mla_format_of", "FP8_MODEL1", "Model1Format",
     "FP8_PER_TENSOR", "INT8_QK", "INT8_QKV", "MHA_AUTO", "MHA_BF16", "MHA_FP16", "MHAFormat",
@@ -59,3 +59,9 @@ __all__ += [
     "dequantize_per_token_head", "load_v_scales", "quantize_per_channel", "quantize_per_channel_ref",
     "quantize_per_token_head", "quantize_per_token_head_ref", "save_v_scales",
 ]
+
+from .indexer_format import INDEXER_K_FP8, INDEXER_K_FP8_RAW, IndexerKFormat, indexer_k_format_of  # noqa: E402
+from .indexer_cache import write_indexer_k_cache  # noqa: E402  (DSA indexer K cache writer)
+
+__all__ += ["INDEXER_K_FP8", "INDEXER_K_FP8_RAW", "IndexerKFormat", "indexer_k_format_of",
+            "write_indexer_k_cache"]

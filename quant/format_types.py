@@ -3,9 +3,9 @@
 A descriptor is a frozen dataclass deriving from `CacheFormat`. Common to all of them:
 
     name                   openmla's canonical name, unique within its family
-    family                 SPARSE_MLA (a latent cache read by the sparse MLA kernels) or MHA
-                           (paged K/V caches read by the paged attention kernels); a format of a
-                           new family (e.g. the DSA indexer's K cache) brings its own constant
+    family                 SPARSE_MLA (a latent cache read by the sparse MLA kernels), MHA
+                           (paged K/V caches read by the paged attention kernels) or INDEXER
+                           (the DSA indexer's K cache read by kernels/indexer/)
     kv_cache_dtypes        every name openmla accepts for it (the canonical one first)
     vllm_kv_cache_dtypes   the names vLLM's `kv_cache_dtype` uses for it (() when vLLM has none)
     about                  one line for people (tables, error messages)
@@ -24,12 +24,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CacheFormat", "CacheTensor", "Scale", "SPARSE_MLA", "MHA", "FAMILIES",
+__all__ = ["CacheFormat", "CacheTensor", "Scale", "SPARSE_MLA", "MHA", "INDEXER", "FAMILIES",
            "PER_TILE", "PER_TENSOR", "PER_TOKEN_HEAD", "PER_CHANNEL", "SCALE_KINDS"]
 
 SPARSE_MLA = "sparse_mla"
 MHA = "mha"
-FAMILIES = (SPARSE_MLA, MHA)
+INDEXER = "dsa_indexer"  # the DSA lightning indexer's fp8 K cache (quant/indexer_format.py)
+FAMILIES = (SPARSE_MLA, MHA, INDEXER)
 
 # Scale kinds: what one fp32 scale covers.
 PER_TILE = "per_tile"  # a tile of one token's row, stored inside the row (fp8_ds_mla)

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 from typing import Union
 
-from .format_types import FAMILIES, MHA, SPARSE_MLA, CacheFormat
+from .format_types import FAMILIES, INDEXER, MHA, SPARSE_MLA, CacheFormat
+from .indexer_format import INDEXER_K_FP8, INDEXER_K_FP8_RAW
 from .mha_formats import FP8_PER_TENSOR, INT8_QK, INT8_QKV, MHA_AUTO, MHA_BF16, MHA_FP16
 from .mla_formats import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
 from .model1_format import FP8_MODEL1
 from .validate import fail
 
-__all__ = ["CACHE_FORMATS", "formats", "cache_format", "kv_cache_dtype_names", "SPARSE_MLA", "MHA"]
+__all__ = ["CACHE_FORMATS", "formats", "cache_format", "kv_cache_dtype_names", "SPARSE_MLA", "MHA", "INDEXER"]
 
 CACHE_FORMATS = (
     BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW, FP8_MODEL1,
     MHA_AUTO, MHA_BF16, MHA_FP16, FP8_PER_TENSOR, INT8_QKV, INT8_QK,
+    INDEXER_K_FP8, INDEXER_K_FP8_RAW,
 )
 
 
@@ -47,7 +49,7 @@ def _check_family(family: str) -> None:
 
 
 def formats(family: str) -> tuple:
-    """The descriptors of one family (SPARSE_MLA or MHA), in registry order."""
+    """The descriptors of one family (SPARSE_MLA, MHA or INDEXER), in registry order."""
     _check_family(family)
     return tuple(f for f in CACHE_FORMATS if f.family == family)
 
@@ -67,7 +69,7 @@ def cache_format(kv_cache_dtype: Union[str, CacheFormat], family: str, *, vllm: 
 
     Args:
         kv_cache_dtype: a name (openmla's or vLLM's), or a descriptor of `family` (returned as is).
-        family: SPARSE_MLA or MHA.
+        family: SPARSE_MLA, MHA or INDEXER.
         vllm: accept vLLM's names only (the adapters: vLLM passes no other).
         who: the caller, for the error message.
 

@@ -52,7 +52,7 @@ if not GPU:
 
 
 from openmla.kernels import reference  # noqa: E402
-from openmla.quant import CACHE_FORMATS, FP8_E4M3_MAX, SPARSE_MLA  # noqa: E402
+from openmla.quant import CACHE_FORMATS, FP8_E4M3_MAX, INDEXER, SPARSE_MLA  # noqa: E402
 from openmla.quant import formats as family_formats  # noqa: E402
 from openmla.tools.bench import fp8_per_tensor, git_revision  # noqa: E402  (bench imports no sweep)
 
@@ -271,6 +271,8 @@ def _int8_kernel(x, st, fmt):
 
 def cases_of(fmt) -> list:
     """The sweep's cases of one registry format, chosen by what its descriptor says."""
+    if fmt.family == INDEXER:  # not an attention cache: its rows are the --indexer table
+        return []
     if fmt.family == SPARSE_MLA:
         return [_mla_v4_case(fmt) if fmt.head_dim == D_V4 else _mla_case(fmt)]
     if fmt.k_int8:  # with and without per-channel K smoothing (calibrate_k_smooth)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from openmla.quant import (BF16_MLA, CACHE_FORMATS, FAMILIES, FP8_DS_MLA, FP8_DS_MLA_RAW, FP8_PER_TENSOR,
-                           INT8_QK, INT8_QKV, MHA, MHA_AUTO, MHA_BF16, MHA_FP16, SPARSE_MLA, CacheFormat,
-                           CacheTensor, Scale, cache_format, formats, kv_cache_dtype_names,
-                           mha_format_of)
+                           INDEXER, INDEXER_K_FP8, INT8_QK, INT8_QKV, MHA, MHA_AUTO, MHA_BF16, MHA_FP16,
+                           SPARSE_MLA, CacheFormat, CacheTensor, Scale, cache_format, formats,
+                           kv_cache_dtype_names, mha_format_of)
 from openmla.quant.format_types import SCALE_KINDS
 from openmla.quant.kv_cache import write_kv_cache
 from tests.helpers import DEVICE
@@ -25,7 +25,8 @@ def test_registry_holds_every_format():
     assert {(f.family, f.name) for f in CACHE_FORMATS} == {
         (SPARSE_MLA, "bf16"), (SPARSE_MLA, "fp8_ds_mla"), (SPARSE_MLA, "fp8_ds_mla_raw"),
         (SPARSE_MLA, "fp8_model1"),
-        (MHA, "auto"), (MHA, "bf16"), (MHA, "fp16"), (MHA, "fp8"), (MHA, "int8_qkv"), (MHA, "int8_qk")}
+        (MHA, "auto"), (MHA, "bf16"), (MHA, "fp16"), (MHA, "fp8"), (MHA, "int8_qkv"), (MHA, "int8_qk"),
+        (INDEXER, "fp8_indexer"), (INDEXER, "fp8_indexer_raw")}
     assert len({(f.family, f.name) for f in CACHE_FORMATS}) == len(CACHE_FORMATS)
     for fam in FAMILIES:
         assert formats(fam) == tuple(f for f in CACHE_FORMATS if f.family == fam)
@@ -116,6 +117,10 @@ def test_what_the_caches_are_made_of():
     assert flags == {"auto": (False, False, False), "bf16": (False, False, False),
                      "fp16": (False, False, False), "fp8": (True, False, False),
                      "int8_qkv": (False, True, True), "int8_qk": (False, True, False)}
+    # the DSA indexer's K cache: one uint8 tensor, a per-token fp32 scale inside each page block
+    assert [(t.name, t.dtype) for t in INDEXER_K_FP8.tensors] == [("cache", torch.uint8)]
+    assert [(s.of, s.kind) for s in INDEXER_K_FP8.scales] == [("k", "per_token_head")]
+    assert formats(INDEXER) == (INDEXER_K_FP8, cache_format("fp8_indexer_raw", INDEXER))
     assert MHA_AUTO.k_cache_dtype(torch.float16) == torch.float16
     assert INT8_QK.v_cache_dtype(torch.bfloat16) == torch.bfloat16 and INT8_QK.k_cache_dtype(torch.bfloat16) == torch.int8
 
