@@ -7,6 +7,8 @@ oracles of every op).
     cascade.py             cascade_attention: paged attention reading a shared prefix once
     merge.py               merge_attn_states: two partial results into one (vLLM's signature)
     index.py               convert_req_index_to_global: per-request token indices -> cache slots
+    indexer/               the DSA lightning indexer: paged_mqa_logits (decode), mqa_logits (ragged
+                           prefill), topk_per_row / decode_topk (top-k per row, -1 filled)
     configs.py             how every op chooses its launch config (one mechanism, documented there)
     device.py, launch.py   device facts for the dispatch; the low-overhead launch path
 
