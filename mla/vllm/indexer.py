@@ -93,8 +93,8 @@ def _indexer_op(hidden_states: torch.Tensor, k_cache_prefix: str, kv_cache: torc
 
     layer = _LAYERS[k_cache_prefix]
     attn_metadata = get_forward_context().attn_metadata
-    if not isinstance(attn_metadata, dict):
-        return None  # profiling / dummy run: no metadata, nothing to select
+    if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
+        return None  # profiling / dummy run: no metadata or no cache yet, nothing to select
     md = attn_metadata[k_cache_prefix]
     slot_mapping = md.slot_mapping
     if k is not None:

@@ -295,3 +295,9 @@ def test_profile_run_without_metadata_leaves_the_buffer(config):
         assert layer(torch.zeros(3, 4), q, torch.ones(3, 128, dtype=torch.bfloat16),
                      torch.ones(3, 2)) is buf
     assert torch.all(buf == 7) and torch.all(cache == 0)
+    # a metadata dict before the cache is bound (the layer still holds vLLM's empty tensor)
+    layer.k_cache.kv_cache = torch.tensor([])
+    with set_forward_context({"profile.k_cache": None}, config):
+        assert layer(torch.zeros(3, 4), q, torch.ones(3, 128, dtype=torch.bfloat16),
+                     torch.ones(3, 2)) is buf
+    assert torch.all(buf == 7)
