@@ -21,6 +21,16 @@ Shared memory: q 36 KB (HN 32) + 2 stages x 72 KB + P^T 2 x 4 KB + merge ~ 190 K
 per SM. Registers: 232 per consumer (the accumulator O^T alone is 128 at HN 32), 40 for the
 producer; at HN 32 a few loop-invariant values spill (40 bytes, reloaded from L1).
 
+Faults (a NaN or inf in q or in a row a token attends makes its rows NaN; kernels/softmax.py): one
+fma a score (keep_faults) pushes the consumers past their registers at HN 32 (spills 48 -> 224
+bytes, 2.07 -> 2.35 ms at the benchmark's H32 shape), so at HN 32, where the kernel gathers at
+least FLAG_RATIO times the rows of kv a pass over kv reads (T * topk >= FLAG_RATIO * N, prefill's
+usual case), that pass (`kv_row_faults`) flags the faulty rows first and the consumers only record,
+per key they count, whether its flag was set (2.18 ms there); the epilogue marks a token whose
+counted keys include a flagged row, and a head whose q is not finite when the token counts any key
+(FLAGS). Otherwise (HN 16, or few tokens over a large kv) the loop checks every score. Recording
+the flags in the producer instead was slower (2.37 ms: the producer is on the critical path).
+
 The producer loads block i + 1's row numbers while block i waits for its stage (issued after the
 wait, those global loads would sit between a released stage and its refill, on the consumers'
 critical path), and the consumers rescale O^T lazily (the shift moves only when a head's max rose by
@@ -30,6 +40,10 @@ Timings: docs/benchmarks.md; the profile, the measurements behind these choices 
 tried: docs/notes/sparse_mla_prefill.md.
 """
 from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
 
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 
@@ -49,6 +63,26 @@ BLOCK_N = 64  # keys per block: one consumer warpgroup's wgmma M
 NUM_WARPS = 4  # the producer (default partition; prologue and epilogue); the consumers are workers
 TAU = 8.0  # lazy rescale: the shift trails the running max by at most this (exp2 domain)
 C_REGS = 232  # registers of each consumer; the producer (the default partition) gets the rest, 40
+# Faults via row flags (FLAGS) at 32 heads when the kernel gathers at least this many times the
+# rows that the flag pass reads (T * topk >= FLAG_RATIO * N): the flag pass then costs under
+# 1 / FLAG_RATIO of the kernel's own row traffic, and the loop keeps one fma a score off its
+# register budget (at 16 heads the fma fits and the per-score check is the faster one)
+FLAG_RATIO = 8
+
+
+@triton.jit
+def kv_row_faults_kernel(kv_ptr, flag_ptr, N, stride_kv, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """flag[r] = 1 where row r of kv [N, D] holds a NaN or inf, else 0 (one program a BLOCK_R rows)."""
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < N
+    bad = tl.zeros([BLOCK_R], tl.float32)
+    for d0 in tl.static_range(0, D, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(kv_ptr + o_r.to(tl.int64)[:, None] * stride_kv + o_d[None, :],
+                    mask=m_r[:, None] & (o_d < D)[None, :], other=0.0).to(tl.float32)
+        bad += tl.sum(x * 0.0, 1)  # NaN where a value is NaN or +-inf
+    tl.store(flag_ptr + o_r, (bad != 0.0).to(tl.uint8), mask=m_r)
 
 
 def block_h(H: int) -> int:
@@ -106,9 +140,9 @@ if _GLUON:
             i_l, i_r = _load_rows(p_idx, (i + 1) * BLOCK_N, n_use, BLOCK_N)
 
     @gluon.jit
-    def _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N, scale_log2,
-                  WG: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr,
-                  TAU: gl.constexpr):
+    def _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, flag_ptr, n_use, n_blk, N,
+                  scale_log2, WG: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D_LAT: gl.constexpr, TAU: gl.constexpr, FLAGS: gl.constexpr):
         # the blocks i = WG, WG + 2, ... from stage WG: scores, online softmax over the keys
         # (rows; a per-thread partial row sum, summed once at the end), values. m_i (the shift of
         # the exponent) and m_ex (the max) are in raw q.k units (scale > 0). The state is left for
@@ -124,6 +158,7 @@ if _GLUON:
         l_i = gl.zeros([BLOCK_N, HN], gl.float32, S_L)
         acc = gl.zeros([D_LAT, HN], gl.float32, S_L)
         o_ns = gl.arange(0, BLOCK_N, layout=ROW_S)
+        t_state = gl.zeros([BLOCK_N], gl.int32, ROW_S)  # FLAGS: 0 no key, 1 clean keys, 2 a faulty key
         s_lat = s_kl.index(WG)
         s_rope = s_kr.index(WG)
         s_pw = s_p.index(WG)
@@ -131,6 +166,9 @@ if _GLUON:
             o_n = (2 * j + WG) * BLOCK_N + o_ns
             b_col = gl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
             m_n = (b_col >= 0) & (b_col < N)
+            if FLAGS:
+                b_f = gl.load(flag_ptr + b_col, mask=m_n, other=0).to(gl.int32)
+                t_state = gl.maximum(t_state, gl.where(m_n, 1 + b_f, 0))
             mbarrier.wait(full.index(WG), j & 1)
             hopper.fence_async_shared()
             # scores: two accumulator chains (rope + latent[:256], latent[256:]) of k16 wgmmas,
@@ -145,8 +183,10 @@ if _GLUON:
                                            use_acc=k > 0, is_async=True)
             t_0, t_1 = hopper.warpgroup_mma_wait(0, deps=[t_0, t_1])
             b_s = t_0 + t_1
-            # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
-            b_s = gl.where(m_n[:, None], _keep_faults(b_s), float("-inf"))
+            if FLAGS:  # faults come from the row flags and q (the epilogue)
+                b_s = gl.where(m_n[:, None], b_s, float("-inf"))
+            else:  # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
+                b_s = gl.where(m_n[:, None], _keep_faults(b_s), float("-inf"))
 
             m_blk = gl.max(b_s, 0)
             m_ex = gl.maximum(m_ex, m_blk)
@@ -175,6 +215,9 @@ if _GLUON:
         s_ml.slice(2 * WG, 1, dim=0).store(m_i[None, :])
         s_ml.slice(2 * WG + 1, 1, dim=0).store(gl.sum(l_i, 0)[None, :])
         s_ml.slice(4 + WG, 1, dim=0).store(m_ex[None, :])
+        if FLAGS:
+            t_tok = gl.max(t_state, 0).to(gl.float32)
+            s_ml.slice(6 + WG, 1, dim=0).store((gl.zeros([HN], gl.float32, COL_S) + t_tok)[None, :])
 
     @gluon.jit
     def sparse_mla_prefill_sm90_kn_kernel(
@@ -184,7 +227,7 @@ if _GLUON:
         scale, scale_log2,
         HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, OFF32: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        C_REGS: gl.constexpr, TAU: gl.constexpr,
+        C_REGS: gl.constexpr, TAU: gl.constexpr, flag_ptr, FLAGS: gl.constexpr,
     ):
         HN: gl.constexpr = BLOCK_H
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -204,14 +247,18 @@ if _GLUON:
         p_q = q_ptr + i_t * stride_qt + o_hq[:, None] * stride_qh
         o_lq = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GQ))
         o_rq = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GQ))
-        s_ql = gl.allocate_shared_memory(gl.bfloat16, [HN, D_LAT], SH,
-                                         gl.load(p_q + o_lq[None, :], mask=(o_hq < H)[:, None], other=0.0))
-        s_qr = gl.allocate_shared_memory(gl.bfloat16, [HN, D_ROPE], SH,
-                                         gl.load(p_q + o_rq[None, :], mask=(o_hq < H)[:, None], other=0.0))
+        b_ql = gl.load(p_q + o_lq[None, :], mask=(o_hq < H)[:, None], other=0.0)
+        b_qr = gl.load(p_q + o_rq[None, :], mask=(o_hq < H)[:, None], other=0.0)
+        s_ql = gl.allocate_shared_memory(gl.bfloat16, [HN, D_LAT], SH, b_ql)
+        s_qr = gl.allocate_shared_memory(gl.bfloat16, [HN, D_ROPE], SH, b_qr)
         s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
         s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], SH)
         s_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HN], SHP)
-        s_ml = gl.allocate_shared_memory(gl.float32, [8, HN], SHF)  # shift, sum, max (6 rows)
+        # shift, sum, max (rows 0-5); FLAGS: each consumer's key state (6, 7), q faults (8)
+        s_ml = gl.allocate_shared_memory(gl.float32, [16, HN], SHF)
+        if FLAGS:  # 1.0 for a head whose q holds a NaN or inf
+            q_bad = (gl.sum(b_ql.to(gl.float32) * 0.0, 1) + gl.sum(b_qr.to(gl.float32) * 0.0, 1)) != 0.0
+            s_ml.slice(8, 1, dim=0).store(gl.convert_layout(q_bad.to(gl.float32), COL_S)[None, :])
 
         n_use = TOPK
         if HAS_LEN:
@@ -226,10 +273,10 @@ if _GLUON:
         gl.warp_specialize(
             [(_producer, (kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
                           BLOCK_N, D_LAT, D_ROPE, OFF32)),
-             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
-                          scale_log2, 0, HN, BLOCK_N, D_LAT, TAU)),
-             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
-                          scale_log2, 1, HN, BLOCK_N, D_LAT, TAU))],
+             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, flag_ptr, n_use, n_blk,
+                          N, scale_log2, 0, HN, BLOCK_N, D_LAT, TAU, FLAGS)),
+             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, flag_ptr, n_use, n_blk,
+                          N, scale_log2, 1, HN, BLOCK_N, D_LAT, TAU, FLAGS))],
             [4, 4], [C_REGS, C_REGS])
 
         # merge the two consumers' states (every partition has finished: their shared-memory
@@ -248,6 +295,13 @@ if _GLUON:
         o_h = i_hb * HN + gl.arange(0, HN, layout=COL_S)
         m_h = o_h < H
         inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h, HAS_SINK)
+        if FLAGS:  # a faulty key the token attends, or a faulty q of a head with a key: NaN rows
+            t_tok = gl.maximum(gl.max(s_ml.slice(6, 1, dim=0).load(S_L), 0),
+                               gl.max(s_ml.slice(7, 1, dim=0).load(S_L), 0))
+            q_bad = gl.max(s_ml.slice(8, 1, dim=0).load(S_L), 0)
+            bad = (t_tok > 1.5) | ((t_tok > 0.5) & (q_bad > 0.5))
+            inv = gl.where(bad, float("nan"), inv)
+            lse = gl.where(bad, float("nan"), lse)
         # out = inv * (f_a O_a + f_b O_b), 64 dims at a time, 16-byte stores along the dims
         GO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         COL_O: gl.constexpr = gl.SliceLayout(1, GO)
@@ -266,10 +320,21 @@ if _GLUON:
         gl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
 
 
+def kv_row_faults(kv: torch.Tensor) -> torch.Tensor:
+    """uint8 [N]: 1 where a row of kv [N, D] (row stride kv.stride(0)) holds a NaN or inf."""
+    N, D = kv.shape[0], kv.shape[-1]
+    flags = torch.empty(N, dtype=torch.uint8, device=kv.device)
+    kv_row_faults_kernel[(triton.cdiv(N, 64),)](kv, flags, N, kv.stride(0), D=D, BLOCK_R=64, BLOCK_D=64)
+    return flags
+
+
 def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
            d_lat, d_rope):
     """Run the kernel on validated inputs into the given outputs (T >= 1, 1 <= H <= MAX_HEADS),
-    through the 64-head kernel's launcher (same arguments)."""
+    through the 64-head kernel's launcher (same arguments). Faults: per score in the loop, or from
+    row flags and q when the kernel gathers FLAG_RATIO times the rows the flag pass reads."""
+    flags = block_h(q.shape[1]) == 32 and q.shape[0] * indices.shape[1] >= FLAG_RATIO * kv.shape[0]
     _sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e, d_lat,
                  d_rope, kernel=sparse_mla_prefill_sm90_kn_kernel, block_h=block_h(q.shape[1]),
-                 BLOCK_N=BLOCK_N, C_REGS=C_REGS, TAU=TAU, num_warps=NUM_WARPS)
+                 BLOCK_N=BLOCK_N, C_REGS=C_REGS, TAU=TAU, num_warps=NUM_WARPS,
+                 flag_ptr=kv_row_faults(kv) if flags else lse, FLAGS=flags)

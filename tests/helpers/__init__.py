@@ -9,6 +9,7 @@ test plumbing that imports vLLM only when called).
 from __future__ import annotations
 
 import math
+from typing import Optional
 import os
 
 import pytest
@@ -240,12 +241,14 @@ import importlib, json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-module, name, const, ptrs, warps = json.loads(sys.argv[1])
+module, name, const, ptrs, warps, named = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 sig, attrs = {}, {}
 for i, arg in enumerate(fn.arg_names):
     if arg in const:
         sig[arg] = "constexpr"
+    elif arg in named:
+        sig[arg], attrs[(i,)] = named[arg], [["tt.divisibility", 16]]
     elif i < len(ptrs):
         sig[arg], attrs[(i,)] = ptrs[i], [["tt.divisibility", 16]]
     else:
@@ -263,10 +266,13 @@ print(json.dumps(dict(shared=k.metadata.shared, regs=regs, stack=stack, hgmma=sa
 """
 
 
-def compile_gluon_sm90(module: str, name: str, const: dict, ptr_types: list, num_warps: int) -> dict:
+def compile_gluon_sm90(module: str, name: str, const: dict, ptr_types: list, num_warps: int,
+                       named_ptrs: Optional[dict] = None) -> dict:
     """Compile a Gluon kernel for sm_90a without a GPU (ptxas ships with Triton) and return its
     shared memory, registers, spill stack and SASS counts (wgmma, cp.async). Gluon does not run
-    in the interpreter, which also replaces jit functions in this process: a child compiles it."""
+    in the interpreter, which also replaces jit functions in this process: a child compiles it.
+    ptr_types: the types of the leading (pointer) arguments; named_ptrs: {argument: type} for
+    pointer arguments further on."""
     import json
     import subprocess
     import sys
@@ -274,7 +280,7 @@ def compile_gluon_sm90(module: str, name: str, const: dict, ptr_types: list, num
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run = subprocess.run([sys.executable, "-c", _COMPILE_SM90,
-                          json.dumps([module, name, const, ptr_types, num_warps])],
+                          json.dumps([module, name, const, ptr_types, num_warps, named_ptrs or {}])],
                          capture_output=True, text=True, env=env, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

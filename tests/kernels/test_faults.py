@@ -194,6 +194,17 @@ def test_decode_fault_every_kernel(H, where, value):
 PRE_N, PRE_TOPK = 300, 96
 
 
+@pytest.fixture(params=["per-score", pytest.param("row-flags", marks=GPU_ONLY)])
+def kn_fault_path(request, monkeypatch):
+    """The keys-on-M Hopper prefill kernel finds faults per score, or at 17-32 heads from row flags
+    and q when it gathers many more rows than the flag pass reads (kernels/sparse_mla_prefill/
+    sm90_kn.py, FLAG_RATIO): both, whatever the shapes here. Off Hopper the Triton kernel runs
+    (per score), so the second run is GPU-only."""
+    from openmla.kernels.sparse_mla_prefill import sm90_kn
+    monkeypatch.setattr(sm90_kn, "FLAG_RATIO", 0 if request.param == "row-flags" else 1 << 40)
+    return request.param
+
+
 def _prefill_inputs(H, seed):
     """q [3, H, 576], kv [PRE_N, 576] NaN except the selected rows (values / 10, as the prefill
     tests), indices with invalid ones mixed in; tokens 0 and 1 select row `r` (at 20 and 90),
@@ -230,7 +241,7 @@ def _check_prefill(q, kv, idx, nan_rows, **kw):
 @pytest.mark.parametrize("H", [3, pytest.param(20, marks=GPU_ONLY), pytest.param(64, marks=GPU_ONLY)])
 @pytest.mark.parametrize("col,value", [(7, NAN), (7, INF), (515, NAN), (515, INF), (515, -INF)],
                          ids=["latent-nan", "latent-inf", "rope-nan", "rope-inf", "rope-neginf"])
-def test_prefill_row_fault(H, col, value):
+def test_prefill_row_fault(H, col, value, kn_fault_path):
     q, kv, idx, r = _prefill_inputs(H, seed=H + col)
     kv[r, col] = value
     nan_rows = torch.zeros(3, H, dtype=torch.bool)
@@ -239,7 +250,7 @@ def test_prefill_row_fault(H, col, value):
 
 
 @pytest.mark.parametrize("value,dim", [(NAN, 5), (INF, 300), (-INF, 530)], ids=["nan", "inf", "neginf-rope"])
-def test_prefill_q_fault(value, dim):
+def test_prefill_q_fault(value, dim, kn_fault_path):
     q, kv, idx, _ = _prefill_inputs(3, seed=11)
     q[2, 1, dim] = value
     nan_rows = torch.zeros(3, 3, dtype=torch.bool)
@@ -247,7 +258,7 @@ def test_prefill_q_fault(value, dim):
     _check_prefill(q, kv, idx, nan_rows)
 
 
-def test_prefill_fault_outside_what_a_row_attends():
+def test_prefill_fault_outside_what_a_row_attends(kn_fault_path):
     """The bad row past token 1's topk_length, a NaN q in a row with no valid index, sinks on."""
     q, kv, idx, r = _prefill_inputs(3, seed=12)
     kv[r, 515] = -INF
@@ -531,3 +542,18 @@ def test_oracle_marks_exactly_the_attended_faults():
     assert lse[3, 0] == -INF and (out[3] == 0).all()
     out, _, lse = sparse_mla_ref(q, kv, idx, scale=1.0, d_v=4, topk_length=torch.tensor([1, 1, 1, 2]))
     assert torch.isfinite(lse[:3]).all() and torch.isfinite(out[:3]).all()
+
+
+def test_kv_row_fault_flags():
+    """The flag pass of the keys-on-M prefill kernel: 1 exactly for the rows holding a NaN or
+    +-inf anywhere (latent or rope, first or last column), on a strided kv."""
+    from openmla.kernels.sparse_mla_prefill.sm90_kn import kv_row_faults
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(150, 600, generator=g).to(torch.bfloat16)
+    kv = base[:, :576]  # row stride 600
+    for row, col, val in [(0, 0, NAN), (7, 575, INF), (64, 511, -INF), (65, 512, NAN), (149, 300, INF)]:
+        kv[row, col] = val
+    base[3, 580] = NAN  # past the row's 576 columns: not part of the row
+    flags = kv_row_faults(kv.to(DEVICE)).cpu()
+    assert torch.equal(flags, (~torch.isfinite(kv.float())).any(1).to(torch.uint8))
+    assert int(flags.sum()) == 5

@@ -161,16 +161,19 @@ def test_sm90_kernel_compiles_without_spills():
 
 @pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
 @pytest.mark.parametrize("block_h", [16, 32])
-def test_sm90_kn_kernel_compiles(block_h):
-    """The keys-on-M Gluon kernel (H <= 32), compiled for sm_90a on the CPU: shared memory fits,
-    both consumers issue their wgmmas (rope 4 + latent 32 score steps, 8 x 4 value steps) and the
-    producer its 16-byte gathers (32 latent + 4 rope per thread per block of 64 rows). It spills a
-    few loop-invariant values at 32 heads (reloaded from L1): accepted, see the module docstring."""
+@pytest.mark.parametrize("flags", [False, True], ids=["per-score", "row-flags"])
+def test_sm90_kn_kernel_compiles(block_h, flags):
+    """The keys-on-M Gluon kernel (H <= 32), compiled for sm_90a on the CPU, with faults per score
+    and from row flags: shared memory fits, both consumers issue their wgmmas (rope 4 + latent 32
+    score steps, 8 x 4 value steps) and the producer its 16-byte gathers (32 latent + 4 rope per
+    thread per block of 64 rows). It spills a few values at 32 heads (reloaded from L1): accepted,
+    see the module docstring."""
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_prefill.sm90_kn", "sparse_mla_prefill_sm90_kn_kernel",
         dict(HAS_LEN=True, HAS_SINK=True, OFF32=True, D_LAT=512, D_ROPE=64, BLOCK_H=block_h,
-             BLOCK_N=sm90_kn.BLOCK_N, C_REGS=sm90_kn.C_REGS, TAU=sm90_kn.TAU),
-        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90_kn.NUM_WARPS)
+             BLOCK_N=sm90_kn.BLOCK_N, C_REGS=sm90_kn.C_REGS, TAU=sm90_kn.TAU, FLAGS=flags),
+        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90_kn.NUM_WARPS,
+        named_ptrs=dict(flag_ptr="*u8"))
     assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 128, got
     assert got["hgmma"] == 2 * (4 + 32 + 32), got
     assert got["ldgsts128"] == 32 + 4, got
