@@ -7,6 +7,8 @@ import os
 import socket
 from types import SimpleNamespace
 
+import pytest
+import torch
 import torch.multiprocessing as mp
 
 
@@ -19,6 +21,8 @@ def _rank(rank, n, port, out):
     bench_dcp._rank_main(rank, n, args, port)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine tools/bench_dcp.py runs NCCL with one "
+                    "GPU a rank (run it by hand: --nproc N); this test is its CPU path (gloo, interpreter)")
 def test_bench_dcp_two_ranks(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

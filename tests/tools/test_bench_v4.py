@@ -13,6 +13,7 @@ from openmla.kernels import reference
 from openmla.tools import _bench_mla_v4 as v4
 from openmla.tools import _bench_peer
 from openmla.tools._bench_core import NotMeasured, rel_l2
+from tests.helpers import DEVICE
 
 SMALL = dict(heads=16, topk=16, extra_topk=24, block_size=64, extra_block_size=2, tokens=4, s_q=2)
 
@@ -52,7 +53,7 @@ def test_entry_and_peer_plumbing(extra_len):
     """The entry runs and matches the oracle; the peer's inputs, regrouped into FlashMLA's
     requests and head-padded, give back the same out and lse (real heads, openmla's -inf)."""
     p = dict(SMALL, extra_len=extra_len)
-    x = v4._build(p, "cpu")
+    x = v4._build(p, DEVICE)
     out = v4._run(x)
     assert v4._error(x, out) < 1e-2
     if extra_len:
@@ -71,7 +72,7 @@ def test_entry_and_peer_plumbing(extra_len):
 def test_peer_refuses_per_token_lengths():
     """FlashMLA's lengths are per request: tokens of one request with different lengths are not
     measured (NotMeasured), never silently regrouped."""
-    x = v4._build(dict(SMALL, extra_len=True), "cpu")
+    x = v4._build(dict(SMALL, extra_len=True), DEVICE)
     x["extra_topk_length"][1] = x["extra_topk_length"][0] + 1
     with pytest.raises(NotMeasured, match="extra_topk_length differs between the tokens of a request"):
         _bench_peer.DECODE_V4_PEER.prepare(x, StandInV4())
