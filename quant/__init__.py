@@ -7,9 +7,9 @@ from .mla_formats import (
     FP8_E4M3_MAX,
     BF16MLAFormat,
     FP8DSMLAFormat,
-    mla_format_of,
 )
 from .model1_format import FP8_MODEL1, Model1Format
+from .mla_cache_format import check_mla_format, mla_format_of
 from .mha_formats import (
     FP8_PER_TENSOR,
     INT8_QK,
@@ -25,7 +25,7 @@ from .formats import CACHE_FORMATS, cache_format, formats, kv_cache_dtype_names
 __all__ = [
     "FAMILIES", "INDEXER", "MHA", "SPARSE_MLA", "CacheFormat", "CacheTensor", "Scale",
     "BF16_MLA", "FP8_DS_MLA", "FP8_DS_MLA_RAW", "FP8_E4M3_MAX",
-    "BF16MLAFormat", "FP8DSMLAFormat", "mla_format_of", "FP8_MODEL1", "Model1Format",
+    "BF16MLAFormat", "FP8DSMLAFormat", "mla_format_of", "check_mla_format", "FP8_MODEL1", "Model1Format",
     "FP8_PER_TENSOR", "INT8_QK", "INT8_QKV", "MHA_AUTO", "MHA_BF16", "MHA_FP16", "MHAFormat",
     "mha_format_of", "CACHE_FORMATS", "cache_format", "formats", "kv_cache_dtype_names",
 ]

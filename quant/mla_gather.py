@@ -18,7 +18,7 @@ from openmla.kernels.device import arch_of
 
 from .e4m3 import e4m3_to_f32
 from .validate import check_same_device, check_tensor, fail
-from .mla_formats import check_mla_format
+from .mla_cache_format import check_mla_format
 from .mla_writer import check_fp32_aligned_rows
 
 # Tokens per loop step of one program: 16 x 656 bytes read, 16 x 1152 bytes written.

@@ -29,7 +29,8 @@ from openmla.kernels.device import arch_of
 
 from .e4m3 import f32_to_e4m3
 from .validate import check_same_device, check_tensor, fail
-from .mla_formats import FP8_E4M3_MAX, check_mla_format
+from .mla_cache_format import check_mla_format
+from .mla_formats import FP8_E4M3_MAX
 
 
 @triton.jit

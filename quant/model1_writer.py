@@ -17,7 +17,8 @@ import triton.language as tl
 from openmla.kernels.device import arch_of
 
 from .e4m3 import f32_to_e4m3
-from .mla_formats import FP8_E4M3_MAX, check_mla_format
+from .mla_cache_format import check_mla_format
+from .mla_formats import FP8_E4M3_MAX
 from .mla_writer import _max_nan, check_slot_range, tile_scale
 from .ue8m0 import f32_pow2_to_ue8m0
 from .validate import check_same_device, check_tensor, fail

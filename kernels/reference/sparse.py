@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from openmla.quant.validate import check_tensor, fail
-from openmla.quant.mla_formats import mla_format_of
+from openmla.quant.mla_cache_format import mla_format_of
 from openmla.kernels.reference._common import (_CHUNK_ELEMS, _FLOATS, _INTS, _NEG_INF, _as_float,
                                                _nan_faults, _softmax)
 

@@ -35,7 +35,7 @@ from openmla.kernels.launch import FastLaunch
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
 from openmla.quant.format_types import SPARSE_MLA
 from openmla.quant.formats import cache_format
-from openmla.quant.mla_formats import check_mla_format
+from openmla.quant.mla_cache_format import check_mla_format
 
 LOG2E = 1.4426950408889634  # host: softmax scale -> log2-domain scale
 _TILES = 4  # the kernels hold the 512-wide latent as four 128-wide tiles (fp8_ds_mla's scale tiles)

@@ -10,7 +10,7 @@ import torch
 
 from openmla.quant import (CACHE_FORMATS, FP8_DS_MLA, FP8_MODEL1, SPARSE_MLA, Model1Format, cache_format,
                            formats, kv_cache_dtype_names, mla_format_of)
-from openmla.quant.mla_formats import check_mla_format
+from openmla.quant.mla_cache_format import check_mla_format
 from tests.helpers.quant import gaussian, huge, outlier_channels, seeded, tiny
 
 
