@@ -691,8 +691,12 @@ sys.exit(absorb.main([sys.argv[1], sys.argv[2]]))
 
 def _start_slow_run(src, out, marker):
     import time
+    # SIGINT back to its default in the child: a test run started as a background job of a
+    # non-interactive shell inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+    # handler, so the Ctrl-C case would wait out its timeout instead of testing absorb.py
     p = subprocess.Popen([sys.executable, "-c", _SLOW_CHILD, src, str(out), str(marker)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.time()
     while not marker.exists():
         assert p.poll() is None, p.communicate()
