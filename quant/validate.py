@@ -104,3 +104,11 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
         if t.device != first.device:
             fail(f"{n}.device", f"{first.device} (the device of {first_name})", t.device)
     return first.device
+
+
+def tensor_signature(t):
+    """What check_tensor and check_same_device can read from a tensor argument: its type, dtype,
+    shape, strides and device (None for None). Public ops key a cache of call signatures that
+    passed their checks on tuples of these, so that a repeated call skips checks it provably
+    passes again; a non-tensor raises AttributeError (the caller then runs the full checks)."""
+    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)

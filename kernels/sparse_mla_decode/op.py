@@ -32,7 +32,8 @@ from openmla.kernels.sparse_mla_decode.triton_kernel import (sparse_mla_decode_k
                                                              sparse_mla_decode_merge_kernel)
 from openmla.kernels.device import arch_of, num_sms, sm90_gluon
 from openmla.kernels.launch import FastLaunch
-from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
+from openmla.quant.validate import (check_out, check_same_device, check_scale, check_tensor, fail,
+                                    tensor_signature)
 from openmla.quant.format_types import SPARSE_MLA
 from openmla.quant.formats import cache_format
 from openmla.quant.mla_cache_format import check_mla_format
@@ -116,38 +117,58 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     return _TRITON, (T * num_hb, num_splits), ints, (stride_cb, stride_cr), consts, num_splits
 
 
+def _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
+    """What a launch plan depends on: shapes, cache strides and alignment, the format, the
+    optional inputs, a pinned config or split count, and the device's path and e4m3 mode (which
+    follow the device, or an assumed one: kernels.device.assume)."""
+    num_blocks, block_size, _ = cache.shape
+    arch = arch_of(q.device)
+    return (q.device, q.shape[0], q.shape[1], indices.shape[1], fmt, cache.dtype, num_blocks,
+            block_size, cache.stride(0), cache.stride(1), cache.data_ptr() & 15 == 0,
+            topk_length is None, attn_sink is None,
+            tuple(sorted(config.items())) if config else None, num_splits, arch.gluon_sm90, arch)
+
+
+def _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
+    return _PLANS.get(key) or _new_plan(key, _plan_launch, q, cache, indices, topk_length,
+                                        attn_sink, fmt, config, num_splits)
+
+
 def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, config=None, num_splits=None):
     """Launch on validated inputs; writes out, returns lse [T, H] fp32. fmt: the cache's
     sparse MLA format descriptor (the constexprs below come from it)."""
-    T, H, _ = q.shape
-    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    if T == 0:
-        return lse
-    num_blocks, block_size, _ = cache.shape
-    key = (q.device, T, H, indices.shape[1], fmt, cache.dtype, num_blocks, block_size,
-           cache.stride(0), cache.stride(1), cache.data_ptr() & 15 == 0, topk_length is None,
-           attn_sink is None,
-           tuple(sorted(config.items())) if config else None, num_splits, sm90_gluon(q.device),
-           arch_of(q.device))  # the path and e4m3 mode follow the device (or an assumed one)
-    plan = _PLANS.get(key) or _new_plan(key, _plan_launch, q, cache, indices, topk_length, attn_sink,
-                                        fmt, config, num_splits)
+    if q.shape[0] == 0:
+        return torch.empty((0, q.shape[1]), dtype=torch.float32, device=q.device)
+    key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits)
+    plan = _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, config, num_splits)
+    return _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
+
+
+def _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, scale, fmt):
+    """One launch of `plan` (and its merge) on validated inputs with T >= 1; returns lse. key:
+    the plan's key (or anything that determines it); with q's, indices' and out's strides it
+    keys the launch when every pointer is 16-byte aligned."""
     kernel, grid, ints, cache_strides, consts, num_splits = plan
+    T, H = q.shape[0], q.shape[1]
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     po, plse = _partials(lse, num_splits, fmt)
     sink = attn_sink if attn_sink is not None else lse
     length = topk_length if topk_length is not None else lse
-    args = (q, cache, indices, length, sink, out, lse, po, plse, *ints, q.stride(0), q.stride(1),
-            *cache_strides, indices.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E)
+    sq, si, so = q.stride(), indices.stride(0), out.stride()
+    args = (q, cache, indices, length, sink, out, lse, po, plse, *ints, sq[0], sq[1],
+            *cache_strides, si, so[0], so[1], float(scale) * LOG2E)
     # the plan's key and the strides below fix every int argument and dtype; with every pointer
     # 16-byte aligned (as the caching allocator gives them) it keys the launch too
-    aligned = (q.data_ptr() | indices.data_ptr() | out.data_ptr() | length.data_ptr()
-               | sink.data_ptr() | po.data_ptr() | plse.data_ptr() | lse.data_ptr()) & 15 == 0
+    aligned = (q.data_ptr() | cache.data_ptr() | indices.data_ptr() | out.data_ptr()
+               | length.data_ptr() | sink.data_ptr() | po.data_ptr() | plse.data_ptr()
+               | lse.data_ptr()) & 15 == 0
+    lkey = (key, sq[0], sq[1], si, so[0], so[1]) if aligned else None
     if aligned:
-        kernel.keyed((key, q.stride(0), q.stride(1), indices.stride(0), out.stride(0), out.stride(1)),
-                     grid, *args, **consts)
+        kernel.keyed(lkey, grid, *args, **consts)
     else:
         kernel(grid, *args, **consts)
     if num_splits > 1:
-        _merge(po, plse, attn_sink, out, lse, fmt, (key, out.stride(0), out.stride(1)) if aligned else None)
+        _merge(po, plse, attn_sink, out, lse, fmt, lkey)
     return lse
 
 
@@ -326,6 +347,23 @@ def _check_indices(name, indices, T):
         fail(f"{name}.shape[1] (topk)", ">= 1", indices.shape[1])
 
 
+def _signature(q, cache, indices, topk_length, attn_sink, out, fmt):
+    """Everything sparse_mla_decode's checks read from its arguments (types, dtypes, shapes,
+    strides, devices, which optional tensors are given, the format argument) and what its plan
+    depends on beyond them (the cache's alignment, the device's path). A call whose signature
+    passed the checks once passes them again and runs the same plan. Raises AttributeError or
+    TypeError for arguments that are not tensors or not hashable (the full checks say what)."""
+    arch = arch_of(q.device)
+    sig = tensor_signature
+    return (sig(q), sig(cache), cache.data_ptr() & 15 == 0, sig(indices), sig(topk_length),
+            sig(attn_sink), sig(out), fmt, arch, arch.gluon_sm90)
+
+
+# signature -> (format, plan, plan key) of calls that passed the checks (fp8_ds_mla and bf16
+# caches without an extra cache, T >= 1): a repeated call goes straight to the launch
+_VALIDATED: dict = {}
+
+
 def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, *, scale: float,
                       topk_length: Optional[torch.Tensor] = None, attn_sink: Optional[torch.Tensor] = None,
                       out: Optional[torch.Tensor] = None, fmt=None, extra_cache: Optional[torch.Tensor] = None,
@@ -362,6 +400,20 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         (out [T, H, 512] bf16, lse [T, H] fp32 natural log of the softmax denominator of scale*q.k
         over both lists). A row with no valid index gives out = 0 and lse = -inf.
     """
+    sig = None
+    if extra_cache is None and extra_indices is None and extra_topk_length is None \
+            and not torch.compiler.is_compiling():
+        try:
+            sig = _signature(q, cache, indices, topk_length, attn_sink, out, fmt)
+            hit = _VALIDATED.get(sig)
+        except (AttributeError, TypeError):
+            sig = hit = None
+        if hit is not None:
+            fmt, plan, key = hit
+            scale = check_scale("scale", scale)
+            if out is None:
+                out = torch.empty((q.shape[0], q.shape[1], fmt.latent_dim), dtype=q.dtype, device=q.device)
+            return out, _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, last_dim_contiguous=True)
     T, H, d_qk = q.shape
     fmt = check_mla_format(cache, fmt)
@@ -403,9 +455,16 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         # traced by torch.compile: the registered op, which the compiler treats as one opaque call
         lse = _sparse_mla_decode_op(q, cache, indices, topk_length, attn_sink, out, float(scale),
                                     fmt.name, extra_cache, extra_indices, extra_topk_length)
-    else:
+    elif sig is not None and T > 0 and not getattr(fmt, "blocked", False):
         # eager and CUDA-graph capture: straight to the launch (the custom op's dispatcher costs
-        # more host time than the launch itself)
+        # more host time than the launch itself), and the signature remembered as checked
+        key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, None, None)
+        plan = _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, None, None)
+        if len(_VALIDATED) >= _MAX_PLANS:
+            _VALIDATED.clear()
+        _VALIDATED[sig] = (fmt, plan, key)
+        lse = _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
+    else:
         lse = _run(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt, extra_cache,
                    extra_indices, extra_topk_length)
     return out, lse

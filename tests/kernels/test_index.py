@@ -105,9 +105,14 @@ def test_corner_cases():
     pytest.param(dict(workspace=(torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))),
                  r"workspace.request_ids.shape", id="ws-rid-shape"),
 ])
-def test_bad_input_raises(kwargs, match):
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-a-good-call"])
+def test_bad_input_raises(kwargs, match, warm):
+    """Also after a good call that differs only in the bad argument (warm): checked call
+    signatures are remembered, and a changed argument must still be checked."""
     args = dict(req_id=torch.zeros(4, dtype=torch.int32), block_table=torch.zeros(2, 3, dtype=torch.int32),
                 token_indices=torch.zeros(4, 3, dtype=torch.int32), block_size=16)
+    if warm:
+        assert (convert_req_index_to_global(*args.values()) == 0).all()
     args.update(kwargs)
     ws = args.pop("workspace", None)
     with pytest.raises(ValueError, match=match):

@@ -375,11 +375,38 @@ BAD_NAMES = ["q.dtype", "q.shape[-1]", "q.shape[1] (heads)", "q.stride(-1)", "ca
              "attn_sink.shape", "out.shape", "out.dtype", "scale-nan", "scale-None"]
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-a-good-call"])
 @pytest.mark.parametrize("case", range(len(BAD_NAMES)), ids=BAD_NAMES)
-def test_value_errors(case):
+def test_value_errors(case, warm):
+    """Also after a good call of the same inputs but the bad one (warm): a call signature that
+    passed the checks is remembered, and a changed argument must still be checked."""
     name, kwargs = _bad_cases()[case]
+    if warm:
+        q, cache, idx = make_inputs("fp8", 2, 3, 8, 2, 16, seed=9)
+        sparse_mla_decode(q, cache, idx, scale=SCALE)
     with pytest.raises(ValueError, match="^" + re.escape(name) + ":"):
         sparse_mla_decode(**kwargs)
+
+
+def test_repeated_call_signature():
+    """A repeated call signature skips the checks it passed (op._VALIDATED) and gives the same
+    result; the same values under other strides (a new signature) are checked and planned anew."""
+    from openmla.kernels.sparse_mla_decode import op
+    q, cache, idx = make_inputs("fp8", 3, 5, 40, 3, 16, seed=12)
+    length = torch.tensor([40, 7, 0], dtype=torch.int32, device=DEVICE)
+    op._VALIDATED.clear()
+    first, lse = check(q, cache, idx, topk_length=length)
+    assert len(op._VALIDATED) == 1
+    again, lse2 = sparse_mla_decode(q, cache, idx, scale=SCALE, topk_length=length)
+    assert len(op._VALIDATED) == 1
+    assert torch.equal(first, again) and torch.equal(lse, lse2)
+    wide = torch.full((3, 7, 600), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    q2 = wide[:, 1:6, 8:584]
+    q2.copy_(q)  # same values, other strides
+    out = torch.full((3, 5, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got, lse3 = check(q2, cache, idx, topk_length=length, out=out)
+    assert len(op._VALIDATED) == 2 and got is out
+    assert torch.equal(got, first) and torch.equal(lse3, lse)
 
 
 @GPU_ONLY

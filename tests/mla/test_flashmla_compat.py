@@ -257,9 +257,14 @@ DECODE_BAD = [
 ]
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-a-good-call"])
 @pytest.mark.parametrize("name,value,exc,match", DECODE_BAD)
-def test_decode_refuses(name, value, exc, match):
+def test_decode_refuses(name, value, exc, match, warm):
+    """Also after a good call with the same metadata (warm): checked call signatures are
+    remembered, and a changed argument must still be checked."""
     args = _decode_args()
+    if warm:
+        flash_mla_with_kvcache(**args)
     args[name] = value(args)
     with pytest.raises(exc, match=match):
         flash_mla_with_kvcache(**args)
