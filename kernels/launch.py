@@ -97,14 +97,10 @@ class FastLaunch:
         if hit is None:
             self._first_launch(key, grid, args, kwargs)
             return
-        compiled, fill = hit
-        full = list(args)
-        full.extend(fill)
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = _raw_stream(device)
-        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None,
-                     None, None, *full)
+        call, head, fill = hit
+        n = len(grid)
+        call(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _raw_stream(device), *head,
+             *args, *fill)
 
     def _first_launch(self, key, grid, args, kwargs):
         compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
@@ -129,4 +125,16 @@ class FastLaunch:
         compiled._init_handles()
         if len(self._cache) >= _MAX_ENTRIES:  # shapes that never repeat: start over
             self._cache.clear()
-        self._cache[key] = (compiled, tuple(fill))
+        self._cache[key] = _launcher(compiled) + (tuple(fill),)
+
+
+def _launcher(compiled) -> tuple:
+    """(call, head): `call(gx, gy, gz, stream, *head, *kernel_args)` launches `compiled`. For
+    Triton 3.6's CUDA launcher without scratch memory, its C launch function itself (its Python
+    wrapper only allocates scratch and passes its own flags); otherwise the wrapper."""
+    run = compiled.run
+    if (type(run).__name__ == "CudaLauncher" and not run.global_scratch_size
+            and not run.profile_scratch_size and hasattr(run, "launch")):
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None,
+                            None, compiled.packed_metadata, None, None, None)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)

@@ -73,7 +73,7 @@ def _partials(lse, num_splits, fmt, always=False):
 
 def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
     """(kernel launcher, grid, the int arguments before q's strides, the cache's row strides,
-    constexprs, splits)."""
+    constexprs, splits, the merge's grid and constexprs)."""
     T, H, _ = q.shape
     topk = indices.shape[1]
     is_fp8 = fmt.quantized
@@ -104,17 +104,20 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
                   SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n, TILE=fmt.latent_dim // _TILES,
                   ROPE=fmt.rope_dim, SCALE_OFF=fmt.scale_offset if is_fp8 else 0,
                   ROPE_OFF=fmt.rope_offset)
+    grid = (T * num_hb, num_splits)
+    merge = _merge_plan(T, H, attn_sink is not None, fmt)
     if sm90:
-        return (_SM90, (T * num_hb, num_splits), ints, (stride_cb, stride_cr),
-                dict(consts, num_warps=_sm90.NUM_WARPS), num_splits)
+        return (_SM90, grid, ints, (stride_cb, stride_cr), dict(consts, num_warps=_sm90.NUM_WARPS),
+                num_splits, merge)
     if kn:
-        return (_KN, (T * num_hb, num_splits), ints, (stride_cb, stride_cr),
-                dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_kn.NUM_WARPS), num_splits)
+        return (_KN, grid, ints, (stride_cb, stride_cr),
+                dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_kn.NUM_WARPS), num_splits,
+                merge)
     consts.update(FP8=is_fp8, E4M3=arch_of(q.device).e4m3, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         consts["maxnreg"] = cfg["maxnreg"]
-    return _TRITON, (T * num_hb, num_splits), ints, (stride_cb, stride_cr), consts, num_splits
+    return _TRITON, grid, ints, (stride_cb, stride_cr), consts, num_splits, merge
 
 
 def _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
@@ -148,7 +151,7 @@ def _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, scale, f
     """One launch of `plan` (and its merge) on validated inputs with T >= 1; returns lse. key:
     the plan's key (or anything that determines it); with q's, indices' and out's strides it
     keys the launch when every pointer is 16-byte aligned."""
-    kernel, grid, ints, cache_strides, consts, num_splits = plan
+    kernel, grid, ints, cache_strides, consts, num_splits, merge = plan
     T, H = q.shape[0], q.shape[1]
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     po, plse = _partials(lse, num_splits, fmt)
@@ -168,19 +171,25 @@ def _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, scale, f
     else:
         kernel(grid, *args, **consts)
     if num_splits > 1:
-        _merge(po, plse, attn_sink, out, lse, fmt, lkey)
+        _merge(po, plse, attn_sink, out, lse, fmt, lkey, merge)
     return lse
 
 
-def _merge(po, plse, attn_sink, out, lse, fmt, key):
-    """Merge the partials po [T, S, H, D] / plse [T, S, H] into out and lse; the sink applies here,
-    once. key: a FastLaunch key fixing every argument but the pointers (None: Triton's launch)."""
-    T, num_splits, H = plse.shape
+def _merge_plan(T, H, has_sink, fmt):
+    """The merge kernel's grid and constexprs."""
     block_hm = min(16, triton.next_power_of_2(H))
+    return (T, triton.cdiv(H, block_hm)), dict(HAS_SINK=has_sink, BLOCK_H=block_hm, DV=fmt.latent_dim,
+                                               num_warps=4)
+
+
+def _merge(po, plse, attn_sink, out, lse, fmt, key, plan=None):
+    """Merge the partials po [T, S, H, D] / plse [T, S, H] into out and lse; the sink applies here,
+    once. key: a FastLaunch key fixing every argument but the pointers (None: Triton's launch).
+    plan: _merge_plan's result for these shapes, when the caller has it."""
+    T, num_splits, H = plse.shape
+    mgrid, mconsts = plan or _merge_plan(T, H, attn_sink is not None, fmt)
     sink = attn_sink if attn_sink is not None else lse
     margs = (po, plse, sink, out, lse, H, num_splits, out.stride(0), out.stride(1))
-    mconsts = dict(HAS_SINK=attn_sink is not None, BLOCK_H=block_hm, DV=fmt.latent_dim, num_warps=4)
-    mgrid = (T, triton.cdiv(H, block_hm))
     if key is not None:
         _MERGE.keyed(key, mgrid, *margs, **mconsts)
     else:
@@ -275,10 +284,10 @@ def _launch_extra(q, cache, indices, topk_length, attn_sink, out, scale, fmt, ex
     pinned = {k: v for k, v in _pick_config(q, H).items() if k in ("BLOCK_H", "BLOCK_N")}
     parts = [_plan_launch(q, c, i, n, None, fmt, pinned, None)
              for c, i, n in ((cache, indices, topk_length), (extra_cache, extra_indices, extra_topk_length))]
-    total = sum(p[-1] for p in parts)
+    total = sum(p[5] for p in parts)  # their split counts
     po, plse = _partials(lse, total, fmt, always=True)
     first = 0
-    for (kernel, grid, ints, strides, consts, splits), c, i, n in zip(
+    for (kernel, grid, ints, strides, consts, splits, _), c, i, n in zip(
             parts, (cache, extra_cache), (indices, extra_indices), (topk_length, extra_topk_length)):
         ints = ints[:4] + (total,) + ints[5:]  # NUM_SPLITS: the partials' split stride
         # the partial rows of this list start at split `first` (pointer offsets)
