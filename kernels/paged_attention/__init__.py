@@ -6,7 +6,8 @@ over contiguous keys: the public ops `paged_attention` and `varlen_attention`.
     varlen.py   `varlen_attention`: keys in contiguous rows of k and v (encoder attention)
     checks.py   the boundary checks both ops share (q / out, score options, query-length bound)
     launch.py   host side: tile class and split count from shapes, one launch per op
-                (`launch_paged`, `launch_varlen`, each with its own arguments)
+                (`launch_paged`, `launch_varlen`, each with its own arguments), planned once
+                per call signature
     kernel.py   the Triton kernel, its split-KV reduction and their autotune configs
     tile.py     the kernel's device functions (one key tile of the online softmax, key bounds)
 """

@@ -3,17 +3,27 @@ launch of the kernel (and of the split-KV reduction when keys are split).
 
 Two launches with their own arguments: `launch_paged` (keys in a paged cache, in any of its
 formats) and `launch_varlen` (keys in contiguous rows of k and v). Each describes where the
-kernel finds request r's keys as a `_KeySource` and hands it to `_launch`, which owns everything
-the two share (row packing, splits, score options, outputs).
+kernel finds request r's keys as a `_KeySource`, and `_make_plan` turns that and the shapes into
+a `_Plan`: the grid, the split count, every int argument and constexpr of both launches.
+
+A plan depends only on what its key holds (shapes, strides, dtypes, the format's flags, which
+optional inputs are given, the score options' flags, max_q / max_kv / num_splits, the device and
+its architecture), so it is made once per call signature and reused: a decode step repeats the
+same call in every layer. Per call only the pointers, the two float scales and the split
+partials' buffer are new. Short queries (decode, speculative decoding) launch through
+`kernels.launch.FastLaunch` (their BLOCK_M is the plan's BLOCK_M_WANT, so their grid is known
+before the launch); long queries through Triton's own launch, whose grid follows the BLOCK_M
+that autotuning picks.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
 
 from openmla.kernels.device import arch_of, num_sms
+from openmla.kernels.launch import FastLaunch
 from openmla.kernels.paged_attention.kernel import (paged_attention_kernel,
                                                     paged_attention_reduce_kernel)
 from openmla.quant.kv_cache import cache_dims, cache_strides
@@ -32,6 +42,12 @@ MAX_SPLITS = 64
 # count up instead starts a second, mostly idle round that takes as long as a full one.
 WAVES = 2
 
+_MAIN = FastLaunch(paged_attention_kernel)
+_REDUCE = FastLaunch(paged_attention_reduce_kernel)
+# Plans by call signature (module docstring); cleared when full (signatures that never repeat).
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
 
 class ScoreOptions(NamedTuple):
     """Validated score options, as `paged_attention` documents them (window = (left, right)).
@@ -48,11 +64,9 @@ class ScoreOptions(NamedTuple):
 class _KeySource(NamedTuple):
     """Where the kernel finds request r's keys: its IS_PAGED and PAGE_SIZE constexprs with the
     arguments they give a meaning to. Built only by `paged` and `rows`, so the pair always
-    agrees (immutable, and cheap to build per call like ScoreOptions)."""
+    agrees. Only a new plan builds one (its tensors are not kept)."""
     is_paged: bool
     page_size: int
-    table: torch.Tensor  # bt_ptr: the block table (paged), else an int32 tensor never read
-    lens: torch.Tensor  # lens_ptr: seq_lens [R] (paged), else cu_seqlens_k [R + 1]
     num_blocks: int  # blocks of the cache (paged), else 0
     kv_cap: int  # positions a request can address: table columns * page size, else rows of k
     h_kv: int
@@ -61,16 +75,35 @@ class _KeySource(NamedTuple):
     s_bt: int
 
     @staticmethod
-    def paged(k_cache, v_cache, block_table, seq_lens, layout):
+    def paged(k_cache, v_cache, block_table, layout):
         num_blocks, page, h_kv, _ = cache_dims(k_cache, layout)
-        return _KeySource(True, page, block_table, seq_lens, num_blocks,
-                          block_table.shape[1] * page, h_kv, tuple(cache_strides(k_cache, layout)),
+        return _KeySource(True, page, num_blocks, block_table.shape[1] * page, h_kv,
+                          tuple(cache_strides(k_cache, layout)),
                           tuple(cache_strides(v_cache, layout)), block_table.stride(0))
 
     @staticmethod
-    def rows(k, v, cu_seqlens_k, placeholder):
-        return _KeySource(False, 1, placeholder, cu_seqlens_k, 0, k.shape[0], k.shape[1],
-                          (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1)), 0)
+    def rows(k, v):
+        return _KeySource(False, 1, 0, k.shape[0], k.shape[1], (0, k.stride(0), k.stride(1)),
+                          (0, v.stride(0), v.stride(1)), 0)
+
+
+class _Plan(NamedTuple):
+    """Everything of one call signature's launches that is not a pointer or a float scale."""
+    grid: Optional[tuple]  # short queries: BLOCK_M is BLOCK_M_WANT; None for long queries
+    grid_fn: Callable  # the grid as a function of the launched config (any BLOCK_M)
+    ints_a: tuple  # T, R, NUM_BLOCKS, MAX_KV (the kernel's ints before its float scales)
+    ints_b: tuple  # window, strides (after them)
+    consts: dict  # the kernel's constexprs
+    splits: int
+    part_numel: int  # fp32 elements of the split partials' one buffer (0: no split)
+    lse_off: int  # where the partial lse start in it (16-byte aligned)
+    is_fp8: bool
+    v_int8: bool
+    k_int8: bool
+    as_bytes: bool  # fp8 caches reach the kernel as uint8 (no float8e4nv on this GPU)
+    reduce_grid: tuple
+    reduce_ints: tuple  # the reduction's ints after its four pointers
+    reduce_consts: dict
 
 
 def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms: int,
@@ -89,6 +122,10 @@ def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms:
     return block_m, max(1, min(want, MAX_SPLITS, triton.cdiv(max_kv, MIN_KEYS_PER_SPLIT)))
 
 
+def _stride(t: Optional[torch.Tensor]):
+    return None if t is None else t.stride()
+
+
 def launch_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse,
                  opts: ScoreOptions, *, layout: str, max_q: int, max_kv: int,
                  num_splits: Optional[int], k_scale: Optional[torch.Tensor],
@@ -99,22 +136,54 @@ def launch_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, 
     v_scale: [1] fp32 for fp8 per tensor; for int8 K (int8_qk / int8_qkv) k_scale is None,
     k_scale_cache holds the per-token K scales and v_scale is None (int8_qk) or the per-channel
     [H_kv, D] scale of an int8 V; None for bf16 / fp16 caches."""
-    keys = _KeySource.paged(k_cache, v_cache, block_table, seq_lens, layout)
-    _launch(q, k_cache, v_cache, keys, cu_seqlens_q, out, lse, opts, max_q, max_kv, num_splits,
-            k_scale, v_scale, k_scale_cache, k_smooth, fmt)
+    device = q.device
+    arch = arch_of(device)
+    # Everything _make_plan reads, and the dtypes and strides the launch keys need (the
+    # boundary fixed the other tensors' dtypes, v_cache's shape to k_cache's and
+    # cu_seqlens_q's length to the table's rows + 1).
+    key = (device, arch, layout, q.dtype, q.shape, q.stride(), k_cache.dtype, v_cache.dtype,
+           k_cache.shape, k_cache.stride(), v_cache.stride(), block_table.shape,
+           block_table.stride(0), out.stride(), _stride(lse), opts.causal, opts.window,
+           opts.softcap > 0, opts.alibi_slopes is None, opts.alibi_sqrt, opts.sinks is None,
+           opts.scale < 0, max_q, max_kv, num_splits, fmt.fp8_per_tensor, fmt.k_int8, fmt.v_int8,
+           _stride(k_scale_cache), _stride(v_scale), _stride(k_smooth))
+    plan = _PLANS.get(key)
+    if plan is None:
+        keys = _KeySource.paged(k_cache, v_cache, block_table, layout)
+        plan = _new_plan(key, q, keys, cu_seqlens_q, out, lse, opts, max_q, max_kv, num_splits,
+                         v_scale, k_scale_cache, k_smooth, fmt, arch)
+    _run(plan, key, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, opts,
+         k_scale, v_scale, k_scale_cache, k_smooth)
 
 
 def launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, opts: ScoreOptions, *,
                   max_q: int, max_kv: int):
     """Run `varlen_attention` on validated inputs: writes out (and lse when given)."""
-    keys = _KeySource.rows(k, v, cu_seqlens_k, placeholder=cu_seqlens_q)
-    # contiguous keys are q's dtype: the model-dtype format
-    _launch(q, k, v, keys, cu_seqlens_q, out, lse, opts, max_q, max_kv, None, None, None, None,
-            None, MHA_AUTO)
+    device = q.device
+    arch = arch_of(device)
+    key = ("rows", device, arch, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(),
+           cu_seqlens_q.shape, out.stride(), _stride(lse), opts.causal, opts.window,
+           opts.softcap > 0, opts.alibi_slopes is None, opts.alibi_sqrt, opts.sinks is None,
+           opts.scale < 0, max_q, max_kv)
+    plan = _PLANS.get(key)
+    if plan is None:
+        # contiguous keys are q's dtype: the model-dtype format
+        plan = _new_plan(key, q, _KeySource.rows(k, v), cu_seqlens_q, out, lse, opts, max_q,
+                         max_kv, None, None, None, None, MHA_AUTO, arch)
+    # the block-table pointer is never read for rows: cu_seqlens_q stands in
+    _run(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, out, lse, opts, None, None,
+         None, None)
 
 
-def _launch(q, k, v, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, max_q,
-            max_kv, num_splits, k_scale, v_scale, k_scale_cache, k_smooth, fmt: MHAFormat):
+def _new_plan(key, *args):
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    plan = _PLANS[key] = _make_plan(*args)
+    return plan
+
+
+def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, max_q, max_kv,
+               num_splits, v_scale, k_scale_cache, k_smooth, fmt: MHAFormat, arch) -> _Plan:
     T, H, D = q.shape
     R = cu_seqlens_q.shape[0] - 1
     H_kv = keys.h_kv
@@ -123,60 +192,90 @@ def _launch(q, k, v, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOption
     gqa = H // H_kv
     block_m_want, splits = _plan(T, R, H_kv, gqa, max_q, max_kv, num_sms(q.device), num_splits)
     is_fp8, k_int8, v_int8 = fmt.fp8_per_tensor, fmt.k_int8, fmt.v_int8
-    arch = arch_of(q.device)
-    if is_fp8 and not arch.fp8_type:
-        # no float8e4nv type on this GPU: the kernel converts the bytes (quant/e4m3.py)
-        k, v = k.view(torch.uint8), v.view(torch.uint8)
-    dummy = cu_seqlens_q  # pointer arguments the kernel never reads under its flags
-    ksc = k_scale_cache if k_int8 else dummy
     s_ksc = tuple(k_scale_cache.stride()) if k_int8 else (0, 0, 0)
     s_vs = tuple(v_scale.stride()) if v_int8 else (0, 0)
-    ksm = k_smooth if k_smooth is not None else dummy
     s_ksm = tuple(k_smooth.stride()) if k_smooth is not None else (0, 0)
+    s_lse = tuple(lse.stride()) if lse is not None else (0, 0)
+    part_numel = lse_off = 0
     if splits > 1:
-        part_out = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
-        o_args = (part_out, part_lse, *part_out.stride()[:3], *part_lse.stride())
-        write_lse = True
+        # one fp32 buffer: out partials [splits, T, H, D], then (16-byte aligned) lse [splits, T, H]
+        lse_off = triton.cdiv(splits * T * H * D, 4) * 4
+        part_numel = lse_off + splits * T * H
+        s_o = (T * H * D, H * D, D, T * H, H, 1)
     else:
-        lse_arg = lse if lse is not None else dummy
-        o_args = (out, lse_arg, 0, out.stride(0), out.stride(1), 0,
-                  lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)
-        write_lse = lse is not None
-    scale, softcap = opts.scale, opts.softcap
-    alibi_slopes, sinks = opts.alibi_slopes, opts.sinks
+        s_o = (0, out.stride(0), out.stride(1), 0, *s_lse)
     left, right = opts.window
-    grid = lambda meta: (triton.cdiv(T * gqa, meta["BLOCK_M"]) + R + 1, H_kv, splits)  # noqa: E731
-    paged_attention_kernel[grid](
-        q, k, v, keys.table, cu_seqlens_q, keys.lens,
-        alibi_slopes if alibi_slopes is not None else dummy,
-        sinks if sinks is not None else dummy,
-        k_scale if is_fp8 else dummy, v_scale if (is_fp8 or v_int8) else dummy, ksc, ksm,
-        o_args[0], o_args[1],
-        T, R, keys.num_blocks, keys.kv_cap,
-        abs(scale) * LOG2E, softcap * LOG2E, left, right,
-        q.stride(0), q.stride(1), s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, keys.s_bt,
-        *o_args[2:], *s_ksc, *s_vs, *s_ksm,
+    ints_a = (T, R, keys.num_blocks, keys.kv_cap)
+    ints_b = (left, right, q.stride(0), q.stride(1), s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+              keys.s_bt, *s_o, *s_ksc, *s_vs, *s_ksm)
+    consts = dict(
         # int8 dots take K in steps of 32 (mma k32).
         BLOCK_M_WANT=block_m_want, GQA=gqa, HEAD_DIM=D,
         BLOCK_D=max(32 if k_int8 else 16, triton.next_power_of_2(D)),
         PAGE_SIZE=keys.page_size, IS_PAGED=keys.is_paged, IS_FP8=is_fp8,
-        CAUSAL=opts.causal, HAS_WINDOW=left >= 0 or right >= 0, HAS_SOFTCAP=softcap > 0,
-        HAS_ALIBI=alibi_slopes is not None, ALIBI_SQRT=opts.alibi_sqrt,
-        HAS_SINKS=sinks is not None,
-        NUM_SPLITS=splits, WRITE_LSE=write_lse, NEG_Q=scale < 0,
+        CAUSAL=opts.causal, HAS_WINDOW=left >= 0 or right >= 0, HAS_SOFTCAP=opts.softcap > 0,
+        HAS_ALIBI=opts.alibi_slopes is not None, ALIBI_SQRT=opts.alibi_sqrt,
+        HAS_SINKS=opts.sinks is not None,
+        NUM_SPLITS=splits, WRITE_LSE=splits > 1 or lse is not None, NEG_Q=opts.scale < 0,
         KV_SAME=(s_kb, s_kt) == (s_vb, s_vt), K_INT8=k_int8, V_INT8=v_int8,
         V_FAST_CVT=v_int8 and arch.ptx, K_SMOOTH=k_smooth is not None,
     )
-    if splits > 1:
-        block_d = triton.next_power_of_2(D)
-        block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_d))
-        lse_arg = lse if lse is not None else dummy
-        paged_attention_reduce_kernel[(T, triton.cdiv(H, block_h))](
-            part_out, part_lse, out, lse_arg,
-            H, *part_out.stride()[:3], part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-            HEAD_DIM=D, NUM_SPLITS=splits, WRITE_LSE=lse is not None,
-            BLOCK_H=block_h, BLOCK_D=block_d,
-        )
+
+    def grid_fn(meta):  # request r's row blocks start at cu_q[r] * GQA // BLOCK_M + r
+        return triton.cdiv(T * gqa, meta["BLOCK_M"]) + R + 1, H_kv, splits
+
+    # short queries: BLOCK_M is BLOCK_M_WANT (the prune rule keeps no other)
+    grid = grid_fn({"BLOCK_M": block_m_want}) if block_m_want else None
+    block_d = triton.next_power_of_2(D)
+    block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_d))
+    reduce_ints = (H, T * H * D, H * D, D, T * H, H, out.stride(0), out.stride(1), *s_lse)
+    reduce_consts = dict(HEAD_DIM=D, NUM_SPLITS=splits, WRITE_LSE=lse is not None,
+                         BLOCK_H=block_h, BLOCK_D=block_d)
+    return _Plan(grid, grid_fn, ints_a, ints_b, consts, splits, part_numel, lse_off, is_fp8,
+                 v_int8, k_int8, is_fp8 and not arch.fp8_type, (T, triton.cdiv(H, block_h)),
+                 reduce_ints, reduce_consts)
+
+
+def _run(plan: _Plan, key, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: ScoreOptions,
+         k_scale, v_scale, k_scale_cache, k_smooth):
+    """The launches of one call: the plan's ints and constexprs with this call's pointers."""
+    if plan.as_bytes:  # the kernel converts the bytes (quant/e4m3.py)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    dummy = cu_seqlens_q  # pointer arguments the kernel never reads under its flags
+    alibi = opts.alibi_slopes if opts.alibi_slopes is not None else dummy
+    sinks = opts.sinks if opts.sinks is not None else dummy
+    ks = k_scale if plan.is_fp8 else dummy
+    vs = v_scale if (plan.is_fp8 or plan.v_int8) else dummy
+    ksc = k_scale_cache if plan.k_int8 else dummy
+    ksm = k_smooth if k_smooth is not None else dummy
+    lse_arg = lse if lse is not None else dummy
+    split = plan.splits > 1
+    if split:
+        part = torch.empty((plan.part_numel,), dtype=torch.float32, device=q.device)
+        o_ptr, l_ptr = part, part[plan.lse_off:]
+    else:
+        o_ptr, l_ptr = out, lse_arg
+    args = (q, k, v, table, cu_seqlens_q, lens, alibi, sinks, ks, vs, ksc, ksm, o_ptr, l_ptr,
+            *plan.ints_a, abs(opts.scale) * LOG2E, opts.softcap * LOG2E, *plan.ints_b)
+    # The plan's key fixes every int argument, constexpr and tensor dtype of both launches; with
+    # every pointer 16-byte aligned (as the caching allocator gives them) it keys the launches
+    # too. Otherwise FastLaunch keys on the arguments themselves.
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | table.data_ptr() | dummy.data_ptr()
+               | lens.data_ptr() | alibi.data_ptr() | sinks.data_ptr() | ks.data_ptr()
+               | vs.data_ptr() | ksc.data_ptr() | ksm.data_ptr() | out.data_ptr()
+               | lse_arg.data_ptr() | o_ptr.data_ptr() | l_ptr.data_ptr()) & 15 == 0
+    if plan.grid is None or len(paged_attention_kernel.configs) == 1:
+        # Triton's launch, the grid from the config it picks: long queries (BLOCK_M autotuned),
+        # or a config list of one (tests pin one), which Triton's autotuner launches without the
+        # prune rule, so its BLOCK_M may differ from BLOCK_M_WANT
+        paged_attention_kernel[plan.grid_fn](*args, **plan.consts)
+    elif aligned:
+        _MAIN.keyed(key, plan.grid, *args, **plan.consts)
+    else:
+        _MAIN(plan.grid, *args, **plan.consts)
+    if split:
+        rargs = (o_ptr, l_ptr, out, lse_arg, *plan.reduce_ints)
+        if aligned:
+            _REDUCE.keyed(key, plan.reduce_grid, *rargs, **plan.reduce_consts)
+        else:
+            _REDUCE(plan.reduce_grid, *rargs, **plan.reduce_consts)

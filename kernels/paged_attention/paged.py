@@ -6,6 +6,11 @@ context_len + i with context_len = seq_len - q_len; causal keeps keys j <= conte
 window (left, right); softcap c * tanh(s / c) after scaling, before masking; ALiBi; sinks in the
 denominator; an all-masked row gives out = 0, lse = -inf (lse = sink with sinks). How the kernel
 works: kernel.py.
+
+Host path (an eager decode call repeats per layer and step): a call whose signature passed the
+tensor checks before skips them (`_lookup`; the scalar checks run every time), eager calls and
+CUDA-graph capture go straight to launch.py (its plans are cached per signature too), and only a
+torch.compile trace calls the registered custom op.
 """
 from __future__ import annotations
 
@@ -65,6 +70,49 @@ def _check_fp8_scales(fmt, k_scale, v_scale, k_scale_cache, cache_dtype, device)
             check_tensor(name, s, dtype=torch.float32, shape=(1,))
         scales.append(s)
     return scales
+
+
+def _fp8_default_scale(s, device):
+    return torch.ones(1, dtype=torch.float32, device=device) if s is None else s
+
+
+def _check_num_splits(num_splits):
+    if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
+        fail("num_splits", "None or an int >= 1", num_splits)
+
+
+# Signatures of calls whose tensor checks passed (`_lookup`), with the format they resolved to
+# and max_kv; cleared when full (shapes that never repeat).
+_CHECKED: dict = {}
+_MAX_CHECKED = 4096
+
+
+def _meta(t):
+    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
+
+
+def _lookup(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, alibi_slopes, sinks,
+            k_scale, v_scale, k_scale_cache, k_smooth, fmt, layout):
+    """(signature, its _CHECKED entry or None). The signature holds everything the tensor checks
+    of `paged_attention` read (`_check_paged` less the score options, num_splits and return_lse,
+    which are checked on every call): each tensor's type, dtype, shape, strides (contiguity is a
+    function of shape and strides) and device, which are None, the format object (by identity:
+    its entry holds it, so its id is not reused) and the layout. (None, None) when an argument
+    has no such attributes or is unhashable: the full checks then say what is wrong."""
+    try:
+        sig = ((type(q), q.dtype, q.shape, q.stride(), q.device),
+               (type(k_cache), k_cache.dtype, k_cache.shape, k_cache.stride(), k_cache.device),
+               (type(v_cache), v_cache.dtype, v_cache.shape, v_cache.stride(), v_cache.device),
+               (type(block_table), block_table.dtype, block_table.shape, block_table.stride(),
+                block_table.device),
+               (type(cu_seqlens_q), cu_seqlens_q.dtype, cu_seqlens_q.shape, cu_seqlens_q.stride(),
+                cu_seqlens_q.device),
+               (type(seq_lens), seq_lens.dtype, seq_lens.shape, seq_lens.stride(), seq_lens.device),
+               _meta(out), _meta(alibi_slopes), _meta(sinks), _meta(k_scale), _meta(v_scale),
+               _meta(k_scale_cache), _meta(k_smooth), id(fmt), layout)
+        return sig, _CHECKED.get(sig)
+    except Exception:  # noqa: BLE001 - not tensors as the checks want them: the full checks
+        return None, None
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -137,6 +185,60 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out [T, H, D] in q's dtype; with return_lse also lse [T, H] fp32 natural log.
         An all-masked row gives out = 0 and lse = -inf (lse = sinks[h] with sinks).
     """
+    compiling = torch.compiler.is_compiling()
+    sig, hit = (None, None) if compiling else _lookup(
+        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, alibi_slopes, sinks,
+        k_scale, v_scale, k_scale_cache, k_smooth, fmt, layout)
+    if hit is not None and hit[0] is fmt:
+        # A signature whose tensor checks passed before: they read only what it holds, so they
+        # pass again. The checks of the other arguments run on every call.
+        _, fmt, max_kv = hit
+        T, H, D = q.shape
+        if out is None:
+            out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device) if return_lse else None
+        opts = check_score_options(H, scale, causal, window, softcap, alibi_slopes, alibi_sqrt,
+                                   sinks)
+        _check_num_splits(num_splits)
+        if fmt.fp8_per_tensor:
+            k_scale = _fp8_default_scale(k_scale, q.device)
+            v_scale = _fp8_default_scale(v_scale, q.device)
+        scales = (k_scale, v_scale)
+    else:
+        out, lse, opts, fmt_used, scales, max_kv = _check_paged(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, causal, window,
+            softcap, alibi_slopes, alibi_sqrt, sinks, k_scale, v_scale, out, return_lse, layout,
+            num_splits, k_scale_cache, k_smooth, fmt)
+        if sig is not None:
+            if len(_CHECKED) >= _MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED[sig] = (fmt, fmt_used, max_kv)  # fmt kept alive: its id stays its own
+        fmt = fmt_used
+        T = q.shape[0]
+    if T > 0:
+        max_q = query_len_bound(max_query_len, cu_seqlens_q, T, cu_seqlens_q.shape[0] - 1)
+        if compiling:
+            # traced by torch.compile: the registered op, one opaque call to the compiler
+            _paged_attention_op(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out,
+                                lse, opts.scale, opts.causal, opts.window[0], opts.window[1],
+                                opts.softcap, alibi_slopes, opts.alibi_sqrt, sinks, scales[0],
+                                scales[1], layout, max_q, max_kv, num_splits or 0,
+                                k_scale_cache, k_smooth, fmt.name)
+        else:
+            # eager and CUDA-graph capture: straight to the launch (the custom op's dispatcher
+            # costs more host time than both launches)
+            launch_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, opts,
+                         layout=layout, max_q=max_q, max_kv=max_kv, num_splits=num_splits,
+                         k_scale=scales[0], v_scale=scales[1], k_scale_cache=k_scale_cache,
+                         k_smooth=k_smooth, fmt=fmt)
+    return (out, lse) if return_lse else out
+
+
+def _check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, causal, window,
+                 softcap, alibi_slopes, alibi_sqrt, sinks, k_scale, v_scale, out, return_lse,
+                 layout, num_splits, k_scale_cache, k_smooth, fmt):
+    """Every boundary check of `paged_attention`, in order. Returns (out, lse, score options,
+    the caches' format, [k_scale, v_scale] as the launch takes them, max_kv)."""
     out, lse = check_q_out(q, out, return_lse)
     T, H, D = q.shape
     if layout not in LAYOUTS:
@@ -175,16 +277,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if k_smooth is not None:
             fail("k_smooth", f"None for a {k_cache.dtype} k_cache (int8 K only)", "a tensor")
         scales = _check_fp8_scales(fmt, k_scale, v_scale, k_scale_cache, k_cache.dtype, q.device)
-    if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
-        fail("num_splits", "None or an int >= 1", num_splits)
+    _check_num_splits(num_splits)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
                       cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, out=out,
                       alibi_slopes=alibi_slopes, sinks=sinks, k_scale=scales[0],
                       v_scale=scales[1], k_scale_cache=k_scale_cache, k_smooth=k_smooth)
-    if T > 0:
-        max_q = query_len_bound(max_query_len, cu_seqlens_q, T, R)
-        _paged_attention_op(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse,
-                            opts.scale, opts.causal, opts.window[0], opts.window[1], opts.softcap,
-                            alibi_slopes, opts.alibi_sqrt, sinks, scales[0], scales[1], layout,
-                            max_q, M * page, num_splits or 0, k_scale_cache, k_smooth, fmt.name)
-    return (out, lse) if return_lse else out
+    return out, lse, opts, fmt, scales, M * page

@@ -80,7 +80,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if T > 0:
         max_q = query_len_bound(max_query_len, cu_seqlens_q, T, R)
         max_kv = k.shape[0] if max_kv_len is None else int(max_kv_len)
-        _varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, opts.scale,
-                             opts.causal, opts.window[0], opts.window[1], opts.softcap,
-                             alibi_slopes, opts.alibi_sqrt, sinks, max_q, max_kv)
+        if torch.compiler.is_compiling():  # torch.compile traces the registered op
+            _varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, opts.scale,
+                                 opts.causal, opts.window[0], opts.window[1], opts.softcap,
+                                 alibi_slopes, opts.alibi_sqrt, sinks, max_q, max_kv)
+        else:  # eager and CUDA-graph capture: straight to the launch (paged.py says why)
+            launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, opts, max_q=max_q,
+                          max_kv=max_kv)
     return (out, lse) if return_lse else out
