@@ -22,6 +22,11 @@ import torch
 import triton
 from triton import knobs
 
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # a Triton without the interpreter
+    InterpretedFunction = None
+
 __all__ = ["FastLaunch"]
 
 _MAX_ENTRIES = 4096
@@ -49,8 +54,11 @@ def _hooked() -> bool:
 
 
 # The current CUDA stream's handle, as Triton's own launcher reads it (torch.cuda.current_stream()
-# builds a Python Stream object per call).
+# builds a Python Stream object per call), and the current device's index (what
+# torch.cuda.current_device() returns after its initialisation check; a launch on CUDA tensors
+# has initialised CUDA).
 _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+_current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else torch.cuda.current_device
 
 
 class FastLaunch:
@@ -66,13 +74,20 @@ class FastLaunch:
         while not hasattr(fn, "arg_names"):  # autotune / heuristics wrappers
             fn = fn.fn
         self._names = fn.arg_names
+        # TRITON_INTERPRET=1 at the kernel's definition made it an interpreted function, which
+        # has no compiled launcher: every call goes through Triton's path
+        inner = kernel
+        while InterpretedFunction is not None and not isinstance(inner, InterpretedFunction) \
+                and hasattr(inner, "fn"):  # through autotune / heuristics wrappers
+            inner = inner.fn
+        self._interpreted = InterpretedFunction is not None and isinstance(inner, InterpretedFunction)
         self._cache: dict = {}
 
     def __call__(self, grid, *args, **kwargs):
-        if knobs.runtime.interpret or _hooked():
+        if self._interpreted or _hooked():
             self.kernel[grid](*args, **kwargs)
             return
-        device = torch.cuda.current_device()
+        device = _current_device()
         key = (device, _call_key(args), tuple(kwargs.items()))
         try:
             hit = self._cache.get(key)
@@ -86,10 +101,10 @@ class FastLaunch:
         costs about half a microsecond an argument). The caller guarantees that equal keys mean
         equal specializations: its key must determine every int argument's value, every tensor's
         dtype and 16-byte alignment, and the keyword arguments; a float may vary."""
-        if knobs.runtime.interpret or _hooked():
+        if self._interpreted or _hooked():
             self.kernel[grid](*args, **kwargs)
             return
-        device = torch.cuda.current_device()
+        device = _current_device()
         key = (device, key)
         self._launch(self._cache.get(key), key, device, grid, args, kwargs)
 

@@ -197,19 +197,19 @@ class SparseMLAImpl:
             check_same_device(q_nope=q_nope, q_pe=q_pe, W_UK=self.W_UK, out=out,
                               **{"plan tensors": plan.req_id_per_token})
         # the absorbed query and the latent output are step scratch (plan.buffer)
-        q = plan.buffer("q", (T, H, D_QK), bf16)
-        torch.bmm(q_nope.transpose(0, 1), self.W_UK, out=q[:, :, :KV_LORA_RANK].transpose(0, 1))
-        q[:, :, KV_LORA_RANK:] = q_pe
+        q, (q_lat_t, q_rope) = plan.buffer_views("q", (T, H, D_QK), bf16, _query_views)
+        torch.bmm(q_nope.transpose(0, 1), self.W_UK, out=q_lat_t)
+        q_rope.copy_(q_pe)
+        o_lat, o_lat_t = plan.buffer_views("o_lat", (T, H, KV_LORA_RANK), bf16, _transposed)
         if self.dcp is None:
-            o_lat = self.forward_mqa(q, cache, topk_indices, plan,
-                                     out=plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16))
+            self.forward_mqa(q, cache, topk_indices, plan, out=o_lat)
         else:  # this rank's partial over the group's heads, merged across the ranks
             part, lse = self.forward_mqa(self.dcp.gather_heads(q), cache, topk_indices, plan,
                                          return_lse=True)
-            o_lat, _ = self.dcp.merge(part, lse, result=plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16))
+            self.dcp.merge(part, lse, result=o_lat)
         if out is None:
             out = torch.empty(T, H, v, dtype=bf16, device=q.device)
-        torch.bmm(o_lat.transpose(0, 1), self.W_UV, out=out.transpose(0, 1))
+        torch.bmm(o_lat_t, self.W_UV, out=out.transpose(0, 1))
         return out
 
     def forward_mqa(self, q: torch.Tensor, cache: torch.Tensor, topk_indices: torch.Tensor,
@@ -317,3 +317,13 @@ class SparseMLAImpl:
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.empty(self.workspace_rows, D_QK, dtype=torch.bfloat16, device=device)
         return self._workspace
+
+
+def _query_views(q: torch.Tensor) -> tuple:
+    """The absorbed query's latent part as the absorption bmm writes it ([H, T, 512]) and its rope
+    part."""
+    return q[:, :, :KV_LORA_RANK].transpose(0, 1), q[:, :, KV_LORA_RANK:]
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)
