@@ -15,6 +15,12 @@ through its jit helpers so the bytes equal its torch references):
 Token t goes to slot s = slot_mapping[t], that is block s // block_size, offset s % block_size,
 through the caches' real strides (a cache may be a strided view). A slot < 0 is skipped (vLLM
 pads batches with -1).
+
+Host path (a layer writes once per decode step): a call whose signature passed the metadata
+checks before skips them (`_lookup`; the value checks of check_slots and CPU fp8 scales run every
+time), the launch is planned once per signature and goes through `kernels.launch.FastLaunch`, and
+only a torch.compile trace calls the registered custom op (eager calls and CUDA-graph capture
+launch directly).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import triton
 import triton.language as tl
 
 from openmla.kernels.device import E4M3_BITS, arch_of
+from openmla.kernels.launch import FastLaunch
 
 from .e4m3 import f32_to_e4m3
 from .validate import check_quant_scale, check_same_device, check_tensor, fail
@@ -121,36 +128,73 @@ def write_kv_cache_kernel(
         tl.store(p_vc, b_v, mask=m_hd)
 
 
-def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache,
-            k_smooth, fmt: MHAFormat):
+# The launch of one call signature (grid, int arguments, constexprs): shapes, strides, dtypes,
+# the format's flags and the device decide it, so it is made once per signature (every layer of
+# every decode step repeats the same write). Cleared when full (shapes that never repeat).
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+_WRITE = FastLaunch(write_kv_cache_kernel)
+
+
+def _stride(t):
+    return None if t is None else t.stride()
+
+
+def _plan(key, value, k_cache, v_cache, layout, k_scale_cache, v_scale, k_smooth, fmt, e4m3):
+    """(grid, int arguments after the pointers, constexprs, whether fp8 caches go as bytes)."""
     T, H, D = key.shape
-    if T == 0 or H == 0:
-        return
     nb, bs, _, _ = cache_dims(k_cache, layout)
     is_fp8, k_int8, v_int8 = fmt.fp8_per_tensor, fmt.k_int8, fmt.v_int8
     block_d = triton.next_power_of_2(D)
     block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_d))
+    ksc_strides = k_scale_cache.stride() if k_int8 else (0, 0, 0)
+    vs_strides = v_scale.stride() if v_int8 else (0, 0)
+    ksm_strides = k_smooth.stride() if k_smooth is not None else (0, 0)
+    ints = (H, D, nb * bs, bs, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *cache_strides(k_cache, layout), *cache_strides(v_cache, layout),
+            *ksc_strides, *vs_strides, *ksm_strides)
+    consts = dict(IS_FP8=is_fp8, FP8_MAX=FP8_E4M3_MAX, BLOCK_H=block_h, BLOCK_D=block_d,
+                  K_INT8=k_int8, V_INT8=v_int8, SCALE_FLOOR=INT8_SCALE_FLOOR,
+                  K_SMOOTH=k_smooth is not None, E4M3=e4m3)
+    # no float8e4nv type on this GPU: write the bytes
+    return (T, triton.cdiv(H, block_h)), ints, consts, is_fp8 and e4m3 == E4M3_BITS
+
+
+def _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout, k_scale_cache,
+            k_smooth, fmt: MHAFormat):
+    T, H, _ = key.shape
+    if T == 0 or H == 0:
+        return
+    is_fp8, k_int8, v_int8 = fmt.fp8_per_tensor, fmt.k_int8, fmt.v_int8
+    e4m3 = arch_of(k_cache.device).e4m3_plain
+    # everything _plan reads, and the dtypes the launch key needs (the boundary fixed the scales'
+    # dtypes and v_cache's shape to k_cache's)
+    pkey = (k_cache.device, e4m3, layout, key.dtype, key.shape, key.stride(), value.dtype,
+            value.stride(), k_cache.dtype, v_cache.dtype, k_cache.shape, k_cache.stride(),
+            v_cache.stride(), slot_mapping.dtype, is_fp8, k_int8, v_int8, _stride(k_scale_cache),
+            _stride(v_scale), _stride(k_smooth))
+    plan = _PLANS.get(pkey)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[pkey] = _plan(key, value, k_cache, v_cache, layout, k_scale_cache, v_scale,
+                                    k_smooth, fmt, e4m3)
+    grid, ints, consts, as_bytes = plan
+    if as_bytes:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     scale_k = k_scale if is_fp8 else slot_mapping  # never read unless IS_FP8
     scale_v = v_scale if is_fp8 or v_int8 else slot_mapping  # read if IS_FP8 or V_INT8
     ksc = k_scale_cache if k_int8 else slot_mapping  # never written unless K_INT8
-    ksc_strides = k_scale_cache.stride() if k_int8 else (0, 0, 0)
-    vs_strides = v_scale.stride() if v_int8 else (0, 0)
     ksm = k_smooth if k_smooth is not None else slot_mapping  # read only with K_SMOOTH
-    ksm_strides = k_smooth.stride() if k_smooth is not None else (0, 0)
-    e4m3 = arch_of(k_cache.device).e4m3_plain
-    if is_fp8 and e4m3 == E4M3_BITS:  # no float8e4nv type on this GPU: write the bytes
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    grid = (T, triton.cdiv(H, block_h))
-    write_kv_cache_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping, scale_k, scale_v, ksc, ksm,
-        H, D, nb * bs, bs,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *cache_strides(k_cache, layout), *cache_strides(v_cache, layout),
-        *ksc_strides, *vs_strides, *ksm_strides,
-        IS_FP8=is_fp8, FP8_MAX=FP8_E4M3_MAX, BLOCK_H=block_h, BLOCK_D=block_d,
-        K_INT8=k_int8, V_INT8=v_int8, SCALE_FLOOR=INT8_SCALE_FLOOR,
-        K_SMOOTH=k_smooth is not None, E4M3=e4m3,
-    )
+    args = (key, value, k_cache, v_cache, slot_mapping, scale_k, scale_v, ksc, ksm, *ints)
+    # the plan's key fixes every int argument, constexpr and dtype; with every pointer 16-byte
+    # aligned it keys the launch too (else FastLaunch keys on the arguments)
+    if (key.data_ptr() | value.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
+            | slot_mapping.data_ptr() | scale_k.data_ptr() | scale_v.data_ptr() | ksc.data_ptr()
+            | ksm.data_ptr()) & 15 == 0:
+        _WRITE.keyed(pkey, grid, *args, **consts)
+    else:
+        _WRITE(grid, *args, **consts)
 
 
 @torch.library.custom_op("openmla::write_kv_cache",
@@ -227,6 +271,81 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
     bf16/fp16 caches receive key.to(cache dtype) (round to nearest even).
     """
+    compiling = torch.compiler.is_compiling()
+    sig, hit = (None, None) if compiling else _lookup(
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_scale_cache, k_smooth, fmt,
+        layout)
+    if hit is not None and hit[0] is fmt:
+        # a signature whose checks passed before: they read only what it holds, so they pass
+        # again (the value checks below run on every call)
+        _, fmt, num_slots = hit
+    else:
+        fmt_used, num_slots = _check_write(key, value, k_cache, v_cache, slot_mapping, k_scale,
+                                           v_scale, layout, k_scale_cache, k_smooth, fmt)
+        if sig is not None:
+            if len(_CHECKED) >= _MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED[sig] = (fmt, fmt_used, num_slots)  # fmt kept alive: its id stays its own
+        fmt = fmt_used
+    T = key.shape[0]
+    # host reads, before anything is written: the slots with check_slots, the fp8 scales with
+    # check_slots or when they live on the CPU (no sync); all in one read
+    read_scales = fmt.fp8_per_tensor and (check_slots or k_cache.device.type == "cpu")
+    read_slots = check_slots and T > 0
+    if read_slots or read_scales:
+        parts = [slot_mapping.max().double().reshape(1)] if read_slots else []
+        if read_scales:
+            parts += [k_scale.double(), v_scale.double()]
+        vals = torch.cat(parts).tolist()  # the one host sync (see check_slots)
+        if read_scales:
+            check_quant_scale("k_scale", vals[-2])
+            check_quant_scale("v_scale", vals[-1])
+        if read_slots and int(vals[0]) >= num_slots:
+            fail("slot_mapping", f"slots < num_blocks * block_size = {num_slots} (or < 0: skip)",
+                 f"max {int(vals[0])}")
+    if compiling:  # torch.compile traces the registered op
+        _write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
+                           k_scale_cache, k_smooth, fmt.name)
+    else:  # eager and CUDA-graph capture: straight to the launch (the dispatcher costs more)
+        _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
+                k_scale_cache, k_smooth, fmt)
+
+
+# Signatures of calls whose checks passed (`_lookup`), with the format they resolved to and the
+# cache's slot count; cleared when full (shapes that never repeat).
+_CHECKED: dict = {}
+_MAX_CHECKED = 4096
+
+
+def _meta(t):
+    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
+
+
+def _lookup(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_scale_cache, k_smooth,
+            fmt, layout):
+    """(signature, its _CHECKED entry or None). The signature holds everything `_check_write`
+    reads: each tensor's type, dtype, shape, strides (contiguity is a function of shape and
+    strides) and device, which are None, the format object (by identity: its entry holds it, so
+    its id is not reused) and the layout. (None, None) when an argument has no such attributes
+    or is unhashable: the full checks then say what is wrong."""
+    try:
+        sig = ((type(key), key.dtype, key.shape, key.stride(), key.device),
+               (type(value), value.dtype, value.shape, value.stride(), value.device),
+               (type(k_cache), k_cache.dtype, k_cache.shape, k_cache.stride(), k_cache.device),
+               (type(v_cache), v_cache.dtype, v_cache.shape, v_cache.stride(), v_cache.device),
+               (type(slot_mapping), slot_mapping.dtype, slot_mapping.shape, slot_mapping.stride(),
+                slot_mapping.device),
+               _meta(k_scale), _meta(v_scale), _meta(k_scale_cache), _meta(k_smooth), id(fmt),
+               layout)
+        return sig, _CHECKED.get(sig)
+    except Exception:  # noqa: BLE001 - not tensors as the checks want them: the full checks
+        return None, None
+
+
+def _check_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
+                 k_scale_cache, k_smooth, fmt):
+    """Every metadata check of `write_kv_cache`, in order; returns (the caches' format,
+    num_blocks * block_size)."""
     if layout not in LAYOUTS:
         fail("layout", "'NHD' or 'HND'", repr(layout))
     check_tensor("key", key, dtype=_IN_DTYPES, ndim=3, last_dim_contiguous=True)
@@ -270,23 +389,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
                       slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale,
                       k_scale_cache=k_scale_cache, k_smooth=k_smooth)
-    # host reads, before anything is written: the slots with check_slots, the fp8 scales with
-    # check_slots or when they live on the CPU (no sync); all in one read
-    read_scales = is_fp8 and (check_slots or k_cache.device.type == "cpu")
-    read_slots = check_slots and T > 0
-    if read_slots or read_scales:
-        parts = [slot_mapping.max().double().reshape(1)] if read_slots else []
-        if read_scales:
-            parts += [k_scale.double(), v_scale.double()]
-        vals = torch.cat(parts).tolist()  # the one host sync (see check_slots)
-        if read_scales:
-            check_quant_scale("k_scale", vals[-2])
-            check_quant_scale("v_scale", vals[-1])
-        if read_slots and int(vals[0]) >= nb * bs:
-            fail("slot_mapping", f"slots < num_blocks * block_size = {nb * bs} (or < 0: skip)",
-                 f"max {int(vals[0])}")
-    _write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
-                       k_scale_cache, k_smooth, fmt.name)
+    return fmt, nb * bs
 
 
 def check_mha_caches(fmt: MHAFormat, k_cache, v_cache, *, shape, model_dtype=None) -> None:

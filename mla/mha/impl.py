@@ -406,18 +406,22 @@ class PagedAttentionImpl:
             check_tensor("v_cache", v_cache, dtype=fmt.v_cache_dtype(q_dtype), shape=shape,
                          last_dim_contiguous=True)
             return k_cache, v_cache, k_scale_cache  # the kernels check k_scale_cache
+        want = fmt.k_cache_dtype(q_dtype)  # K and V alike
+        tail = (self.num_kv_heads, self.head_size)
         if isinstance(kv_cache, torch.Tensor):
-            check_tensor("kv_cache", kv_cache, ndim=5)
+            if kv_cache.dim() != 5:
+                check_tensor("kv_cache", kv_cache, ndim=5)  # raises, naming it
             if kv_cache.shape[0] != 2:
                 fail("kv_cache.shape[0]", "2 (keys, values)", tuple(kv_cache.shape))
             k_cache, v_cache = kv_cache.unbind(0)
+            if (kv_cache.dtype == want and kv_cache.shape[3:] == tail
+                    and (tail[1] == 1 or kv_cache.stride(4) == 1)):
+                return k_cache, v_cache, None  # both halves pass the checks below
         elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
             k_cache, v_cache = kv_cache
         else:
             fail("kv_cache", "(k_cache, v_cache) or a [2, num_blocks, block_size, H_kv, D] tensor",
                  type(kv_cache).__name__)
-        want = fmt.k_cache_dtype(q_dtype)  # K and V alike
-        tail = (self.num_kv_heads, self.head_size)
         if (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
                 and k_cache.dtype == want and v_cache.dtype == want and k_cache.dim() == 4
                 and v_cache.dim() == 4 and k_cache.shape[2:] == tail and v_cache.shape[2:] == tail
