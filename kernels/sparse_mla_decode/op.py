@@ -18,6 +18,7 @@ never reads a device tensor on the host and can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -47,6 +48,7 @@ MAX_HEADS = 128
 # they are chosen once and reused (a decode step repeats the same call every layer).
 _PLANS: dict = {}
 _MAX_PLANS = 4096
+_PLAN_IDS = itertools.count()
 _TRITON = FastLaunch(sparse_mla_decode_kernel)
 _MERGE = FastLaunch(sparse_mla_decode_merge_kernel)
 _SM90 = FastLaunch(_sm90.sparse_mla_decode_sm90_kernel) if _sm90._GLUON else None
@@ -73,7 +75,7 @@ def _partials(lse, num_splits, fmt, always=False):
 
 def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
     """(kernel launcher, grid, the int arguments before q's strides, the cache's row strides,
-    constexprs, splits, the merge's grid and constexprs)."""
+    constexprs, splits, the merge's grid and constexprs, a number no other plan has)."""
     T, H, _ = q.shape
     topk = indices.shape[1]
     is_fp8 = fmt.quantized
@@ -106,18 +108,19 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
                   ROPE_OFF=fmt.rope_offset)
     grid = (T * num_hb, num_splits)
     merge = _merge_plan(T, H, attn_sink is not None, fmt)
+    pid = next(_PLAN_IDS)
     if sm90:
         return (_SM90, grid, ints, (stride_cb, stride_cr), dict(consts, num_warps=_sm90.NUM_WARPS),
-                num_splits, merge)
+                num_splits, merge, pid)
     if kn:
         return (_KN, grid, ints, (stride_cb, stride_cr),
                 dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_kn.NUM_WARPS), num_splits,
-                merge)
+                merge, pid)
     consts.update(FP8=is_fp8, E4M3=arch_of(q.device).e4m3, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         consts["maxnreg"] = cfg["maxnreg"]
-    return _TRITON, grid, ints, (stride_cb, stride_cr), consts, num_splits, merge
+    return _TRITON, grid, ints, (stride_cb, stride_cr), consts, num_splits, merge, pid
 
 
 def _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
@@ -144,14 +147,14 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
         return torch.empty((0, q.shape[1]), dtype=torch.float32, device=q.device)
     key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits)
     plan = _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, config, num_splits)
-    return _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
+    return _execute(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
 
 
-def _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, scale, fmt):
-    """One launch of `plan` (and its merge) on validated inputs with T >= 1; returns lse. key:
-    the plan's key (or anything that determines it); with q's, indices' and out's strides it
-    keys the launch when every pointer is 16-byte aligned."""
-    kernel, grid, ints, cache_strides, consts, num_splits, merge = plan
+def _execute(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt):
+    """One launch of `plan` (and its merge) on validated inputs with T >= 1; returns lse. The
+    plan's number with q's, indices' and out's strides keys the launch when every pointer is
+    16-byte aligned."""
+    kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
     T, H = q.shape[0], q.shape[1]
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     po, plse = _partials(lse, num_splits, fmt)
@@ -161,11 +164,12 @@ def _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, scale, f
     args = (q, cache, indices, length, sink, out, lse, po, plse, *ints, sq[0], sq[1],
             *cache_strides, si, so[0], so[1], float(scale) * LOG2E)
     # the plan's key and the strides below fix every int argument and dtype; with every pointer
-    # 16-byte aligned (as the caching allocator gives them) it keys the launch too
+    # 16-byte aligned it keys the launch too (lse and the partials are fresh allocations, which
+    # the caching allocator aligns)
     aligned = (q.data_ptr() | cache.data_ptr() | indices.data_ptr() | out.data_ptr()
-               | length.data_ptr() | sink.data_ptr() | po.data_ptr() | plse.data_ptr()
-               | lse.data_ptr()) & 15 == 0
-    lkey = (key, sq[0], sq[1], si, so[0], so[1]) if aligned else None
+               | length.data_ptr() | sink.data_ptr()) & 15 == 0
+    # (the plan's number stands for its key: cheaper to hash, and never reused)
+    lkey = (pid, sq[0], sq[1], si, so[0], so[1]) if aligned else None
     if aligned:
         kernel.keyed(lkey, grid, *args, **consts)
     else:
@@ -287,7 +291,7 @@ def _launch_extra(q, cache, indices, topk_length, attn_sink, out, scale, fmt, ex
     total = sum(p[5] for p in parts)  # their split counts
     po, plse = _partials(lse, total, fmt, always=True)
     first = 0
-    for (kernel, grid, ints, strides, consts, splits, _), c, i, n in zip(
+    for (kernel, grid, ints, strides, consts, splits, _, _), c, i, n in zip(
             parts, (cache, extra_cache), (indices, extra_indices), (topk_length, extra_topk_length)):
         ints = ints[:4] + (total,) + ints[5:]  # NUM_SPLITS: the partials' split stride
         # the partial rows of this list start at split `first` (pointer offsets)
@@ -365,10 +369,10 @@ def _signature(q, cache, indices, topk_length, attn_sink, out, fmt):
     arch = arch_of(q.device)
     sig = tensor_signature
     return (sig(q), sig(cache), cache.data_ptr() & 15 == 0, sig(indices), sig(topk_length),
-            sig(attn_sink), sig(out), fmt, arch, arch.gluon_sm90)
+            sig(attn_sink), sig(out), id(fmt), id(arch), arch.gluon_sm90)
 
 
-# signature -> (format, plan, plan key) of calls that passed the checks (fp8_ds_mla and bf16
+# signature -> (format, plan, the format argument, the architecture) of calls that passed the checks (fp8_ds_mla and bf16
 # caches without an extra cache, T >= 1): a repeated call goes straight to the launch
 _VALIDATED: dict = {}
 
@@ -418,13 +422,14 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         except (AttributeError, TypeError):
             sig = hit = None
         if hit is not None:
-            fmt, plan, key = hit
+            fmt, plan = hit[0], hit[1]
             scale = check_scale("scale", scale)
             if out is None:
                 out = torch.empty((q.shape[0], q.shape[1], fmt.latent_dim), dtype=q.dtype, device=q.device)
-            return out, _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
+            return out, _execute(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, last_dim_contiguous=True)
     T, H, d_qk = q.shape
+    fmt_arg = fmt
     fmt = check_mla_format(cache, fmt)
     if getattr(fmt, "blocked", False):
         if (fmt.tile_size, fmt.rope_dim, fmt.latent_dim, fmt.scale_stride) != (64, 64, 512, 8):
@@ -471,8 +476,10 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         plan = _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, None, None)
         if len(_VALIDATED) >= _MAX_PLANS:
             _VALIDATED.clear()
-        _VALIDATED[sig] = (fmt, plan, key)
-        lse = _execute(plan, key, q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
+        # (the signature names the format argument and the architecture by identity: the entry
+        # keeps both alive, so no other object takes their ids while it exists)
+        _VALIDATED[sig] = (fmt, plan, fmt_arg, arch_of(q.device))
+        lse = _execute(plan, q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
     else:
         lse = _run(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt, extra_cache,
                    extra_indices, extra_topk_length)
