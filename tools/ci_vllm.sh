@@ -32,4 +32,4 @@ pip_q install -q pytest-xdist  # (a venv built before it was needed gets it too)
 "$py" -c 'import torch, triton, vllm
 print(f"ci_vllm: vllm {vllm.__version__}, torch {torch.__version__}, triton {triton.__version__}")'
 echo "ci_vllm: venv ready in $(( $(date +%s) - start )) s"
-OPENMLA_REQUIRE_VLLM=1 TRITON_INTERPRET=1 "$py" -m pytest tests/vllm -q -n auto --dist loadgroup
+OPENMLA_REQUIRE_VLLM=1 TRITON_INTERPRET=1 "$py" -m pytest tests/vllm -q -n auto --dist loadfile

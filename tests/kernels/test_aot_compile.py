@@ -24,9 +24,6 @@ import pytest
 
 from openmla.kernels.device import ARCHES
 
-# one xdist worker runs this file (its module fixtures are built once): README's --dist loadgroup
-pytestmark = pytest.mark.xdist_group("aot_compile")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGETS = list(ARCHES)
 FULL = os.environ.get("OPENMLA_AOT_FULL", "0") == "1"

@@ -28,9 +28,6 @@ from openmla.mla.absorb import (
 from tests.helpers import assert_close, invalid_indices
 from openmla.tools import absorb as tool
 
-# one xdist worker runs this file (its module fixtures are built once): README's --dist loadgroup
-pytestmark = pytest.mark.xdist_group("absorb")
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

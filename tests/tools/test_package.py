@@ -13,9 +13,6 @@ import zipfile
 
 import pytest
 
-# one xdist worker runs this file (its module fixtures are built once): README's --dist loadgroup
-pytestmark = pytest.mark.xdist_group("package")
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -21,9 +21,6 @@ from openmla.quant import FP8_DS_MLA, FP8_MODEL1, FP8DSMLAFormat
 from tests.helpers import DEVICE, assert_close
 from openmla.tools import bench, docs, sweep
 
-# one xdist worker runs this file (its module fixtures are built once): README's --dist loadgroup
-pytestmark = pytest.mark.xdist_group("tools")
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
