@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from openmla.kernels.launch import FastLaunch
-from openmla.quant.validate import check_same_device, check_tensor, fail, tensor_signature
+from openmla.quant.validate import CheckedCalls, check_same_device, check_tensor, fail, tensor_signature
 
 _INT32_MAX = 2**31 - 1
 
@@ -168,15 +168,13 @@ def convert_req_index_to_global(
                       seq_lens=seq_lens,
                       **{"workspace.request_ids": ws_rid, "workspace.starts": ws_start})
     if sig is not None:
-        if len(_CHECKED) >= 4096:
-            _CHECKED.clear()
-        _CHECKED.add(sig)
+        _CHECKED.remember(sig)
     return _convert(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens,
                     return_valid_counts)
 
 
 # call signatures (no workspace) that passed convert_req_index_to_global's checks
-_CHECKED: set = set()
+_CHECKED = CheckedCalls()
 
 
 def _convert(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens,

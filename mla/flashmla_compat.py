@@ -45,7 +45,7 @@ import torch
 
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
-from openmla.quant.validate import check_scale, check_tensor, fail, tensor_signature
+from openmla.quant.validate import CheckedCalls, check_scale, check_tensor, fail, tensor_signature
 from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA
 from openmla.quant.model1_format import FP8_MODEL1
 
@@ -272,15 +272,13 @@ def flash_mla_with_kvcache(
                      extra_indices=extra_indices_in_kvcache.reshape(T, extra_indices_in_kvcache.shape[-1]),
                      extra_topk_length=_per_token(extra_topk_length, s_q))
     elif sig is not None:
-        if len(_CHECKED) >= 4096:
-            _CHECKED.clear()
-        _CHECKED[sig] = (fmt, meta.config)
+        _CHECKED.remember(sig, (fmt, meta.config))
     return _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra)
 
 
 # call signature -> (format, the metadata's config) of decode calls without an extra cache that
 # passed flash_mla_with_kvcache's checks
-_CHECKED: dict = {}
+_CHECKED = CheckedCalls()
 
 
 def _decode_signature(q, k_cache, indices, topk_length, attn_sink, head_dim_v, meta, num_splits,

@@ -34,7 +34,8 @@ from openmla.kernels.device import E4M3_BITS, arch_of
 from openmla.kernels.launch import FastLaunch
 
 from .e4m3 import f32_to_e4m3
-from .validate import check_quant_scale, check_same_device, check_tensor, fail
+from .validate import (CheckedCalls, check_quant_scale, check_same_device, check_tensor, fail,
+                       tensor_signature)
 from .format_types import MHA
 from .formats import cache_format
 from .int8 import INT8_SCALE_FLOOR, int8_quantize_rows, int8_quantize_with_scale
@@ -283,9 +284,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         fmt_used, num_slots = _check_write(key, value, k_cache, v_cache, slot_mapping, k_scale,
                                            v_scale, layout, k_scale_cache, k_smooth, fmt)
         if sig is not None:
-            if len(_CHECKED) >= _MAX_CHECKED:
-                _CHECKED.clear()
-            _CHECKED[sig] = (fmt, fmt_used, num_slots)  # fmt kept alive: its id stays its own
+            _CHECKED.remember(sig, (fmt, fmt_used, num_slots))  # fmt kept alive: its id stays its own
         fmt = fmt_used
     T = key.shape[0]
     # host reads, before anything is written: the slots with check_slots, the fp8 scales with
@@ -313,12 +312,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 # Signatures of calls whose checks passed (`_lookup`), with the format they resolved to and the
 # cache's slot count; cleared when full (shapes that never repeat).
-_CHECKED: dict = {}
-_MAX_CHECKED = 4096
-
-
-def _meta(t):
-    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
+_CHECKED = CheckedCalls()
 
 
 def _lookup(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_scale_cache, k_smooth,
@@ -329,14 +323,9 @@ def _lookup(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_scal
     its id is not reused) and the layout. (None, None) when an argument has no such attributes
     or is unhashable: the full checks then say what is wrong."""
     try:
-        sig = ((type(key), key.dtype, key.shape, key.stride(), key.device),
-               (type(value), value.dtype, value.shape, value.stride(), value.device),
-               (type(k_cache), k_cache.dtype, k_cache.shape, k_cache.stride(), k_cache.device),
-               (type(v_cache), v_cache.dtype, v_cache.shape, v_cache.stride(), v_cache.device),
-               (type(slot_mapping), slot_mapping.dtype, slot_mapping.shape, slot_mapping.stride(),
-                slot_mapping.device),
-               _meta(k_scale), _meta(v_scale), _meta(k_scale_cache), _meta(k_smooth), id(fmt),
-               layout)
+        t = tensor_signature
+        sig = (t(key), t(value), t(k_cache), t(v_cache), t(slot_mapping), t(k_scale), t(v_scale),
+               t(k_scale_cache), t(k_smooth), id(fmt), layout)
         return sig, _CHECKED.get(sig)
     except Exception:  # noqa: BLE001 - not tensors as the checks want them: the full checks
         return None, None

@@ -112,3 +112,20 @@ def tensor_signature(t):
     passed their checks on tuples of these, so that a repeated call skips checks it provably
     passes again; a non-tensor raises AttributeError (the caller then runs the full checks)."""
     return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
+
+
+class CheckedCalls(dict):
+    """Call signatures (tuples of tensor_signature and the other arguments the checks read) that
+    passed a public op's checks, each with what the op keeps for it (the resolved format, a
+    plan). A dict that `remember` keeps below `limit` entries by starting over (signatures that
+    never repeat must not grow it without bound). An entry should hold any object that its
+    signature names by id(), so that no other object can take that id while the entry exists."""
+
+    def __init__(self, limit: int = 4096):
+        super().__init__()
+        self.limit = limit
+
+    def remember(self, sig, entry=True) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[sig] = entry

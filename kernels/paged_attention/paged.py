@@ -25,7 +25,7 @@ from openmla.quant.format_types import MHA
 from openmla.quant.formats import cache_format
 from openmla.quant.kv_cache import LAYOUTS, cache_dims, check_int8_cache_scales, check_mha_caches
 from openmla.quant.mha_formats import MHAFormat, mha_format_of
-from openmla.quant.validate import check_same_device, check_tensor, fail
+from openmla.quant.validate import CheckedCalls, check_same_device, check_tensor, fail, tensor_signature
 
 
 @torch.library.custom_op("openmla::paged_attention", mutates_args=("out", "lse"))
@@ -83,12 +83,7 @@ def _check_num_splits(num_splits):
 
 # Signatures of calls whose tensor checks passed (`_lookup`), with the format they resolved to
 # and max_kv; cleared when full (shapes that never repeat).
-_CHECKED: dict = {}
-_MAX_CHECKED = 4096
-
-
-def _meta(t):
-    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
+_CHECKED = CheckedCalls()
 
 
 def _lookup(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, alibi_slopes, sinks,
@@ -100,16 +95,10 @@ def _lookup(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, alibi
     its entry holds it, so its id is not reused) and the layout. (None, None) when an argument
     has no such attributes or is unhashable: the full checks then say what is wrong."""
     try:
-        sig = ((type(q), q.dtype, q.shape, q.stride(), q.device),
-               (type(k_cache), k_cache.dtype, k_cache.shape, k_cache.stride(), k_cache.device),
-               (type(v_cache), v_cache.dtype, v_cache.shape, v_cache.stride(), v_cache.device),
-               (type(block_table), block_table.dtype, block_table.shape, block_table.stride(),
-                block_table.device),
-               (type(cu_seqlens_q), cu_seqlens_q.dtype, cu_seqlens_q.shape, cu_seqlens_q.stride(),
-                cu_seqlens_q.device),
-               (type(seq_lens), seq_lens.dtype, seq_lens.shape, seq_lens.stride(), seq_lens.device),
-               _meta(out), _meta(alibi_slopes), _meta(sinks), _meta(k_scale), _meta(v_scale),
-               _meta(k_scale_cache), _meta(k_smooth), id(fmt), layout)
+        t = tensor_signature
+        sig = (t(q), t(k_cache), t(v_cache), t(block_table), t(cu_seqlens_q), t(seq_lens), t(out),
+               t(alibi_slopes), t(sinks), t(k_scale), t(v_scale), t(k_scale_cache), t(k_smooth),
+               id(fmt), layout)
         return sig, _CHECKED.get(sig)
     except Exception:  # noqa: BLE001 - not tensors as the checks want them: the full checks
         return None, None
@@ -210,9 +199,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             softcap, alibi_slopes, alibi_sqrt, sinks, k_scale, v_scale, out, return_lse, layout,
             num_splits, k_scale_cache, k_smooth, fmt)
         if sig is not None:
-            if len(_CHECKED) >= _MAX_CHECKED:
-                _CHECKED.clear()
-            _CHECKED[sig] = (fmt, fmt_used, max_kv)  # fmt kept alive: its id stays its own
+            _CHECKED.remember(sig, (fmt, fmt_used, max_kv))  # fmt kept alive: its id stays its own
         fmt = fmt_used
         T = q.shape[0]
     if T > 0:

@@ -33,8 +33,8 @@ from openmla.kernels.sparse_mla_decode.triton_kernel import (sparse_mla_decode_k
                                                              sparse_mla_decode_merge_kernel)
 from openmla.kernels.device import arch_of, num_sms, sm90_gluon
 from openmla.kernels.launch import FastLaunch
-from openmla.quant.validate import (check_out, check_same_device, check_scale, check_tensor, fail,
-                                    tensor_signature)
+from openmla.quant.validate import (CheckedCalls, check_out, check_same_device, check_scale,
+                                    check_tensor, fail, tensor_signature)
 from openmla.quant.format_types import SPARSE_MLA
 from openmla.quant.formats import cache_format
 from openmla.quant.mla_cache_format import check_mla_format
@@ -374,7 +374,7 @@ def _signature(q, cache, indices, topk_length, attn_sink, out, fmt):
 
 # signature -> (format, plan, the format argument, the architecture) of calls that passed the checks (fp8_ds_mla and bf16
 # caches without an extra cache, T >= 1): a repeated call goes straight to the launch
-_VALIDATED: dict = {}
+_VALIDATED = CheckedCalls()
 
 
 def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, *, scale: float,
@@ -474,11 +474,9 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         # more host time than the launch itself), and the signature remembered as checked
         key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, None, None)
         plan = _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, None, None)
-        if len(_VALIDATED) >= _MAX_PLANS:
-            _VALIDATED.clear()
         # (the signature names the format argument and the architecture by identity: the entry
         # keeps both alive, so no other object takes their ids while it exists)
-        _VALIDATED[sig] = (fmt, plan, fmt_arg, arch_of(q.device))
+        _VALIDATED.remember(sig, (fmt, plan, fmt_arg, arch_of(q.device)))
         lse = _execute(plan, q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
     else:
         lse = _run(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt, extra_cache,

@@ -99,6 +99,17 @@ def capture(fn):
     return graph, out
 
 
+def count_full_checks(monkeypatch, module, check_name: str, cache_name: str = "_CHECKED") -> list:
+    """Counts the calls of `module.check_name` (a public op's full checks) after emptying the op's
+    cache of checked call signatures (`module.cache_name`, a quant.validate.CheckedCalls)."""
+    from openmla.quant.validate import CheckedCalls
+    monkeypatch.setattr(module, cache_name, CheckedCalls())
+    calls = []
+    real = getattr(module, check_name)
+    monkeypatch.setattr(module, check_name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 def invalid_indices(num_slots: int) -> list[int]:
     """Every kind of invalid index for a table of num_slots rows (DESIGN.md: < 0 or >= slots)."""
     return [INT32_MIN, -123456, -1, num_slots, num_slots + 7, INT32_MAX]

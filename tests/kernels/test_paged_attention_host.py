@@ -18,7 +18,7 @@ from openmla.kernels.paged_attention import paged as pa_paged
 from openmla.kernels.paged_attention import paged_attention
 from openmla.kernels.reference import paged_attention_ref
 from openmla.quant import FP8_PER_TENSOR, MHA_BF16
-from tests.helpers import DEVICE, GPU_ONLY, assert_close, paged_batch
+from tests.helpers import DEVICE, GPU_ONLY, assert_close, count_full_checks, paged_batch
 
 SCALE = 0.31
 
@@ -42,11 +42,7 @@ def _run(b, **kw):
 @pytest.fixture
 def counted_checks(monkeypatch):
     """Counts the full checks (`_check_paged`) on a clean signature cache."""
-    monkeypatch.setattr(pa_paged, "_CHECKED", {})
-    calls = []
-    real = pa_paged._check_paged
-    monkeypatch.setattr(pa_paged, "_check_paged", lambda *a: calls.append(1) or real(*a))
-    return calls
+    return count_full_checks(monkeypatch, pa_paged, "_check_paged")
 
 
 # ---------------------------------------------------------------------------------------------

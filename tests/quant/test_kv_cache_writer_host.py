@@ -8,7 +8,7 @@ import torch
 from openmla.quant import kv_cache as kvc
 from openmla.quant import FP8_PER_TENSOR, MHA_BF16
 from openmla.quant.kv_cache import quantize_fp8_per_tensor, write_kv_cache
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, count_full_checks
 
 H, D, BS, NB = 2, 32, 4, 3
 
@@ -43,11 +43,8 @@ def _check(key, value, kc, vc, slots, **kw):
 
 @pytest.fixture
 def counted_checks(monkeypatch):
-    monkeypatch.setattr(kvc, "_CHECKED", {})
-    calls = []
-    real = kvc._check_write
-    monkeypatch.setattr(kvc, "_check_write", lambda *a: calls.append(1) or real(*a))
-    return calls
+    """Counts the full checks (`_check_write`) on a clean signature cache."""
+    return count_full_checks(monkeypatch, kvc, "_check_write")
 
 
 def test_plans_per_signature(monkeypatch):
