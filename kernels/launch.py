@@ -19,7 +19,6 @@ config has pre/post hooks, and launches while a launch hook is installed (profil
 from __future__ import annotations
 
 import torch
-import triton
 from triton import knobs
 
 try:
@@ -58,7 +57,8 @@ def _hooked() -> bool:
 # torch.cuda.current_device() returns after its initialisation check; a launch on CUDA tensors
 # has initialised CUDA).
 _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
-_current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else torch.cuda.current_device
+_current_device = (torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice")
+                   else torch.cuda.current_device)
 
 
 class FastLaunch:

@@ -31,7 +31,7 @@ from openmla.kernels.sparse_mla_decode.config import (_M1_SPACE, _head_blocks, _
 from openmla.kernels.sparse_mla_decode.model1_kernel import sparse_mla_decode_model1_kernel
 from openmla.kernels.sparse_mla_decode.triton_kernel import (sparse_mla_decode_kernel,
                                                              sparse_mla_decode_merge_kernel)
-from openmla.kernels.device import arch_of, num_sms, sm90_gluon
+from openmla.kernels.device import arch_of, num_sms
 from openmla.kernels.launch import FastLaunch
 from openmla.quant.validate import (CheckedCalls, check_out, check_same_device, check_scale,
                                     check_tensor, fail, tensor_signature)
@@ -372,8 +372,9 @@ def _signature(q, cache, indices, topk_length, attn_sink, out, fmt):
             sig(attn_sink), sig(out), id(fmt), id(arch), arch.gluon_sm90)
 
 
-# signature -> (format, plan, the format argument, the architecture) of calls that passed the checks (fp8_ds_mla and bf16
-# caches without an extra cache, T >= 1): a repeated call goes straight to the launch
+# signature -> (format, plan, the format argument, the architecture) of the calls that passed the
+# checks (fp8_ds_mla and bf16 caches without an extra cache, T >= 1): a repeated call goes straight
+# to the launch
 _VALIDATED = CheckedCalls()
 
 
