@@ -54,6 +54,11 @@ def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, *args)
     return None
 
 
+def _fp8_default_scale(s, device):
+    """An fp8 per-tensor scale as the launch takes it: 1.0 when none is given."""
+    return torch.ones(1, dtype=torch.float32, device=device) if s is None else s
+
+
 def _check_fp8_scales(fmt, k_scale, v_scale, k_scale_cache, cache_dtype, device):
     """[k_scale, v_scale] of a bf16/fp16 (None) or fp8 (per-tensor [1], default 1.0) cache."""
     if k_scale_cache is not None:
@@ -64,16 +69,10 @@ def _check_fp8_scales(fmt, k_scale, v_scale, k_scale_cache, cache_dtype, device)
             if s is not None:
                 fail(name, f"None for a {cache_dtype} cache (scales dequantize fp8 only)",
                      "a tensor")
-        elif s is None:
-            s = torch.ones(1, dtype=torch.float32, device=device)
-        else:
+        elif s is not None:
             check_tensor(name, s, dtype=torch.float32, shape=(1,))
-        scales.append(s)
+        scales.append(_fp8_default_scale(s, device) if fmt.fp8_per_tensor else s)
     return scales
-
-
-def _fp8_default_scale(s, device):
-    return torch.ones(1, dtype=torch.float32, device=device) if s is None else s
 
 
 def _check_num_splits(num_splits):
