@@ -25,11 +25,14 @@ Faults (a NaN or inf in q or in a row a token attends makes its rows NaN; kernel
 fma a score (keep_faults) pushes the consumers past their registers at HN 32 (spills 48 -> 224
 bytes, 2.07 -> 2.35 ms at the benchmark's H32 shape), so at HN 32, where the kernel gathers at
 least FLAG_RATIO times the rows of kv a pass over kv reads (T * topk >= FLAG_RATIO * N, prefill's
-usual case), that pass (`kv_row_faults`) flags the faulty rows first and the consumers only record,
-per key they count, whether its flag was set (2.18 ms there); the epilogue marks a token whose
-counted keys include a flagged row, and a head whose q is not finite when the token counts any key
-(FLAGS). Otherwise (HN 16, or few tokens over a large kv) the loop checks every score. Recording
-the flags in the producer instead was slower (2.37 ms: the producer is on the critical path).
+usual case), two Triton passes run first: `kv_row_faults` flags the rows of kv holding a NaN or inf,
+`token_faults` reads each token's indices (the kernel's own validity rule: in [0, N), before
+topk_length) and records whether the token counts no key, only clean keys, or a flagged one. The
+consumers' loop then carries no fault work at all; the epilogue reads the token's state and marks
+the token's rows NaN where a counted key was flagged, and a head's row where its q is not finite
+and the token counts any key (FLAGS). Otherwise (HN 16, or few tokens over a large kv) the loop
+checks every score. Flags gathered per key by the consumers (2.18 ms) or recorded by the producer
+(2.37 ms: the producer is on the critical path) were slower (docs/notes/sparse_mla_prefill.md).
 
 The producer loads block i + 1's row numbers while block i waits for its stage (issued after the
 wait, those global loads would sit between a released stage and its refill, on the consumers'
@@ -68,6 +71,7 @@ C_REGS = 232  # registers of each consumer; the producer (the default partition)
 # 1 / FLAG_RATIO of the kernel's own row traffic, and the loop keeps one fma a score off its
 # register budget (at 16 heads the fma fits and the per-score check is the faster one)
 FLAG_RATIO = 8
+FLAG_MIN_BLOCK_H = 32  # the head blocks that take the passes (16-head blocks check per score)
 
 
 @triton.jit
@@ -83,6 +87,25 @@ def kv_row_faults_kernel(kv_ptr, flag_ptr, N, stride_kv, D: tl.constexpr, BLOCK_
                     mask=m_r[:, None] & (o_d < D)[None, :], other=0.0).to(tl.float32)
         bad += tl.sum(x * 0.0, 1)  # NaN where a value is NaN or +-inf
     tl.store(flag_ptr + o_r, (bad != 0.0).to(tl.uint8), mask=m_r)
+
+
+@triton.jit
+def token_faults_kernel(idx_ptr, len_ptr, kv_flag_ptr, tok_ptr, N, TOPK, stride_it,
+                        HAS_LEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """tok[t] = 0 if token t counts no key, 1 if only clean keys, 2 if a key whose kv row is
+    flagged; a key counts when its index is in [0, N) and it lies before topk_length[t]."""
+    i_t = tl.program_id(0).to(tl.int64)
+    n_use = TOPK
+    if HAS_LEN:
+        n_use = tl.minimum(tl.maximum(tl.load(len_ptr + i_t), 0), TOPK)
+    state = tl.zeros([BLOCK_K], tl.int32)
+    for k0 in range(0, n_use, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        i_k = tl.load(idx_ptr + i_t * stride_it + o_k, mask=o_k < n_use, other=-1)
+        m_k = (i_k >= 0) & (i_k < N)
+        f_k = tl.load(kv_flag_ptr + i_k, mask=m_k, other=0).to(tl.int32)
+        state = tl.maximum(state, tl.where(m_k, 1 + f_k, 0))
+    tl.store(tok_ptr + i_t, tl.max(state, 0).to(tl.uint8))
 
 
 def block_h(H: int) -> int:
@@ -140,7 +163,7 @@ if _GLUON:
             i_l, i_r = _load_rows(p_idx, (i + 1) * BLOCK_N, n_use, BLOCK_N)
 
     @gluon.jit
-    def _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, flag_ptr, n_use, n_blk, N,
+    def _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
                   scale_log2, WG: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
                   D_LAT: gl.constexpr, TAU: gl.constexpr, FLAGS: gl.constexpr):
         # the blocks i = WG, WG + 2, ... from stage WG: scores, online softmax over the keys
@@ -158,7 +181,6 @@ if _GLUON:
         l_i = gl.zeros([BLOCK_N, HN], gl.float32, S_L)
         acc = gl.zeros([D_LAT, HN], gl.float32, S_L)
         o_ns = gl.arange(0, BLOCK_N, layout=ROW_S)
-        t_state = gl.zeros([BLOCK_N], gl.int32, ROW_S)  # FLAGS: 0 no key, 1 clean keys, 2 a faulty key
         s_lat = s_kl.index(WG)
         s_rope = s_kr.index(WG)
         s_pw = s_p.index(WG)
@@ -166,9 +188,6 @@ if _GLUON:
             o_n = (2 * j + WG) * BLOCK_N + o_ns
             b_col = gl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
             m_n = (b_col >= 0) & (b_col < N)
-            if FLAGS:
-                b_f = gl.load(flag_ptr + b_col, mask=m_n, other=0).to(gl.int32)
-                t_state = gl.maximum(t_state, gl.where(m_n, 1 + b_f, 0))
             mbarrier.wait(full.index(WG), j & 1)
             hopper.fence_async_shared()
             # scores: two accumulator chains (rope + latent[:256], latent[256:]) of k16 wgmmas,
@@ -183,7 +202,7 @@ if _GLUON:
                                            use_acc=k > 0, is_async=True)
             t_0, t_1 = hopper.warpgroup_mma_wait(0, deps=[t_0, t_1])
             b_s = t_0 + t_1
-            if FLAGS:  # faults come from the row flags and q (the epilogue)
+            if FLAGS:  # faults come from the token's state and q (the epilogue)
                 b_s = gl.where(m_n[:, None], b_s, float("-inf"))
             else:  # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
                 b_s = gl.where(m_n[:, None], _keep_faults(b_s), float("-inf"))
@@ -215,9 +234,6 @@ if _GLUON:
         s_ml.slice(2 * WG, 1, dim=0).store(m_i[None, :])
         s_ml.slice(2 * WG + 1, 1, dim=0).store(gl.sum(l_i, 0)[None, :])
         s_ml.slice(4 + WG, 1, dim=0).store(m_ex[None, :])
-        if FLAGS:
-            t_tok = gl.max(t_state, 0).to(gl.float32)
-            s_ml.slice(6 + WG, 1, dim=0).store((gl.zeros([HN], gl.float32, COL_S) + t_tok)[None, :])
 
     @gluon.jit
     def sparse_mla_prefill_sm90_kn_kernel(
@@ -254,11 +270,11 @@ if _GLUON:
         s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
         s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], SH)
         s_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HN], SHP)
-        # shift, sum, max (rows 0-5); FLAGS: each consumer's key state (6, 7), q faults (8)
+        # shift, sum, max (rows 0-5); FLAGS: q faults (6)
         s_ml = gl.allocate_shared_memory(gl.float32, [16, HN], SHF)
         if FLAGS:  # 1.0 for a head whose q holds a NaN or inf
             q_bad = (gl.sum(b_ql.to(gl.float32) * 0.0, 1) + gl.sum(b_qr.to(gl.float32) * 0.0, 1)) != 0.0
-            s_ml.slice(8, 1, dim=0).store(gl.convert_layout(q_bad.to(gl.float32), COL_S)[None, :])
+            s_ml.slice(6, 1, dim=0).store(gl.convert_layout(q_bad.to(gl.float32), COL_S)[None, :])
 
         n_use = TOPK
         if HAS_LEN:
@@ -273,9 +289,9 @@ if _GLUON:
         gl.warp_specialize(
             [(_producer, (kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
                           BLOCK_N, D_LAT, D_ROPE, OFF32)),
-             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, flag_ptr, n_use, n_blk,
+             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk,
                           N, scale_log2, 0, HN, BLOCK_N, D_LAT, TAU, FLAGS)),
-             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, flag_ptr, n_use, n_blk,
+             (_consumer, (s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk,
                           N, scale_log2, 1, HN, BLOCK_N, D_LAT, TAU, FLAGS))],
             [4, 4], [C_REGS, C_REGS])
 
@@ -296,10 +312,9 @@ if _GLUON:
         m_h = o_h < H
         inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h, HAS_SINK)
         if FLAGS:  # a faulty key the token attends, or a faulty q of a head with a key: NaN rows
-            t_tok = gl.maximum(gl.max(s_ml.slice(6, 1, dim=0).load(S_L), 0),
-                               gl.max(s_ml.slice(7, 1, dim=0).load(S_L), 0))
-            q_bad = gl.max(s_ml.slice(8, 1, dim=0).load(S_L), 0)
-            bad = (t_tok > 1.5) | ((t_tok > 0.5) & (q_bad > 0.5))
+            t_tok = gl.load(flag_ptr + i_t)  # token_faults: 0 no key, 1 clean keys, 2 a faulty key
+            q_bad = gl.max(s_ml.slice(6, 1, dim=0).load(S_L), 0)
+            bad = (t_tok == 2) | ((t_tok == 1) & (q_bad > 0.5))
             inv = gl.where(bad, float("nan"), inv)
             lse = gl.where(bad, float("nan"), lse)
         # out = inv * (f_a O_a + f_b O_b), 64 dims at a time, 16-byte stores along the dims
@@ -328,13 +343,26 @@ def kv_row_faults(kv: torch.Tensor) -> torch.Tensor:
     return flags
 
 
+def token_faults(indices: torch.Tensor, topk_length, kv_flags: torch.Tensor) -> torch.Tensor:
+    """uint8 [T]: per token of indices [T, topk] (last dim contiguous), 0 when it counts no key,
+    1 when only keys whose kv_flags [N] are 0, 2 when a counted key is flagged (token_faults_kernel)."""
+    T, topk = indices.shape
+    tok = torch.empty(T, dtype=torch.uint8, device=indices.device)
+    token_faults_kernel[(T,)](indices, topk_length if topk_length is not None else indices, kv_flags, tok,
+                              kv_flags.shape[0], topk, indices.stride(0), HAS_LEN=topk_length is not None,
+                              BLOCK_K=512)
+    return tok
+
+
 def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
            d_lat, d_rope):
     """Run the kernel on validated inputs into the given outputs (T >= 1, 1 <= H <= MAX_HEADS),
     through the 64-head kernel's launcher (same arguments). Faults: per score in the loop, or from
-    row flags and q when the kernel gathers FLAG_RATIO times the rows the flag pass reads."""
-    flags = block_h(q.shape[1]) == 32 and q.shape[0] * indices.shape[1] >= FLAG_RATIO * kv.shape[0]
+    the token states of the two fault passes and q when the kernel gathers FLAG_RATIO times the
+    rows the kv pass reads."""
+    flags = block_h(q.shape[1]) >= FLAG_MIN_BLOCK_H and q.shape[0] * indices.shape[1] >= FLAG_RATIO * kv.shape[0]
+    tok = token_faults(indices, topk_length, kv_row_faults(kv)) if flags else lse
     _sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e, d_lat,
                  d_rope, kernel=sparse_mla_prefill_sm90_kn_kernel, block_h=block_h(q.shape[1]),
                  BLOCK_N=BLOCK_N, C_REGS=C_REGS, TAU=TAU, num_warps=NUM_WARPS,
-                 flag_ptr=kv_row_faults(kv) if flags else lse, FLAGS=flags)
+                 flag_ptr=tok, FLAGS=flags)

@@ -248,7 +248,7 @@ CORE = (
     "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row",
 )
 EXTRA = (
-    "prefill-H32",  # sm_90: the keys-on-M kernel with row flags and their pass (kv_row_faults)
+    "prefill-H32",  # sm_90: the keys-on-M kernel with token flags and their passes (kv_row_faults, token_faults)
     "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "decode-fp8_model1-H16-T64", "prefill-H16", "write_mla_cache-bf16",
     "paged-gqa4-d128-spec4-float16-int8_qk", "paged-mha-d64-sinks-window-prefill-bfloat16-same",
     "varlen-H16-Hkv16-D64",

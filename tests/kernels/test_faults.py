@@ -196,9 +196,10 @@ PRE_N, PRE_TOPK = 300, 96
 
 @pytest.fixture(params=["per-score", pytest.param("row-flags", marks=GPU_ONLY)])
 def kn_fault_path(request, monkeypatch):
-    """The keys-on-M Hopper prefill kernel finds faults per score, or at 17-32 heads from row flags
-    and q when it gathers many more rows than the flag pass reads (kernels/sparse_mla_prefill/
-    sm90_kn.py, FLAG_RATIO): both, whatever the shapes here. Off Hopper the Triton kernel runs
+    """The keys-on-M Hopper prefill kernel finds faults per score, or at 17-32 heads from its
+    passes' token states (kv row flags, then each token's counted keys) and q when it gathers many
+    more rows than the kv pass reads (kernels/sparse_mla_prefill/sm90_kn.py, FLAG_RATIO): both,
+    whatever the shapes here. Off Hopper the Triton kernel runs
     (per score), so the second run is GPU-only."""
     from openmla.kernels.sparse_mla_prefill import sm90_kn
     monkeypatch.setattr(sm90_kn, "FLAG_RATIO", 0 if request.param == "row-flags" else 1 << 40)
@@ -557,3 +558,35 @@ def test_kv_row_fault_flags():
     flags = kv_row_faults(kv.to(DEVICE)).cpu()
     assert torch.equal(flags, (~torch.isfinite(kv.float())).any(1).to(torch.uint8))
     assert int(flags.sum()) == 5
+
+
+@pytest.mark.parametrize("with_len", [False, True], ids=["topk", "topk_length"])
+def test_token_fault_states(with_len):
+    """The token pass of the keys-on-M prefill kernel: 0 for a token that counts no key, 1 for only
+    clean keys, 2 when a counted key's row is flagged; a flagged row behind an invalid index (-1,
+    N, past N, negative) or past topk_length never counts; keys past the pass's 512-key block."""
+    from openmla.kernels.sparse_mla_prefill.sm90_kn import token_faults
+    N, topk = 40, 700
+    g = torch.Generator().manual_seed(6)
+    kv_flags = torch.zeros(N, dtype=torch.uint8)
+    kv_flags[[3, 17, 39]] = 1
+    clean = torch.tensor([i for i in range(N) if i not in (3, 17, 39)])
+    idx = clean[torch.randint(0, len(clean), (8, topk), generator=g)].to(torch.int32)
+    idx[1, 650] = 17  # flagged key in the second 512-key block
+    idx[2] = -1  # no key at all
+    idx[3, :] = -1
+    idx[3, 5] = 39  # only a flagged key
+    idx[4, [0, 1, 2, 3]] = torch.tensor([N, N + 7, -5, -1], dtype=torch.int32)  # invalid: skipped
+    idx[5, 600] = 3  # flagged key past topk_length (with_len), counted without it
+    idx[6, 0] = 3  # flagged key first
+    idx[7, 699] = 39  # flagged key last
+    lens = torch.tensor([topk, topk, topk, 10, topk, 600, 0, topk], dtype=torch.int32)
+    kv_flags[N - 1] = 1
+    tok = token_faults(idx.to(DEVICE), lens.to(DEVICE) if with_len else None, kv_flags.to(DEVICE)).cpu()
+    want = [1, 2, 0, 2, 1, 1 if with_len else 2, 0 if with_len else 2, 2]
+    assert tok.tolist() == want
+    idx_s = torch.full((8, topk + 3), 5, dtype=torch.int32)  # a strided view: rows of topk + 3
+    idx_s[:, :topk] = idx
+    tok_s = token_faults(idx_s[:, :topk].to(DEVICE), lens.to(DEVICE) if with_len else None,
+                         kv_flags.to(DEVICE)).cpu()
+    assert tok_s.tolist() == want
