@@ -6,6 +6,7 @@
 # Triton's interpreter.
 # OPENMLA_REQUIRE_VLLM=1 makes a missing or broken vLLM fail the run; it is never skipped here.
 # The first run builds .venv-vllm (about 2.5 minutes and 3 GB); later runs reuse it.
+# --venv-only: build or update the venv and stop (CI builds it while the main suite runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-vllm
@@ -27,9 +28,12 @@ if [ ! -f "$venv/.openmla-ready" ]; then
   pip_q uninstall -q -y torchvision torchaudio torchcodec
   touch "$venv/.openmla-ready"
 fi
-pip_q install -q --no-deps -e .
 pip_q install -q pytest-xdist  # (a venv built before it was needed gets it too)
 "$py" -c 'import torch, triton, vllm
 print(f"ci_vllm: vllm {vllm.__version__}, torch {torch.__version__}, triton {triton.__version__}")'
 echo "ci_vllm: venv ready in $(( $(date +%s) - start )) s"
+# (--venv-only stops before openmla goes in: that build writes into the work tree, where the
+# main suite's packaging test builds a wheel at the same time)
+if [ "${1:-}" = "--venv-only" ]; then exit 0; fi
+pip_q install -q --no-deps -e .
 OPENMLA_REQUIRE_VLLM=1 TRITON_INTERPRET=1 "$py" -m pytest tests/vllm -q -n auto --dist loadfile
