@@ -10,8 +10,10 @@ is ignored whatever its out holds, NaN included. Both parts empty gives out = 0,
 Faults stay visible (DESIGN.md): a non-empty part whose lse is NaN, or whose out holds a NaN or
 inf, makes the merged row NaN, out and lse.
 
-`merge_step` is the one place this maths lives in Triton: `merge_attn_states_kernel` folds two
-parts with it and the split-KV reduction of `kernels.paged_attention` folds any number of parts.
+`merge_parts` is the one place this maths lives in Triton: `merge_attn_states_kernel` folds two
+parts with it (`merge_step`, one part at a time) and the split-KV reductions of
+`kernels.paged_attention` and `kernels.sparse_mla_decode` fold any number of parts, a chunk of
+them at a time.
 """
 from __future__ import annotations
 
@@ -27,25 +29,50 @@ from openmla.quant.validate import check_same_device, check_tensor
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# fp32 partial elements a reduction program loads per step (64 registers a thread at 4 warps).
+PARTS_TILE = 8192
+
+
+def parts_tile(T: int, H: int, D: int, parts: int, num_sms: int):
+    """(BLOCK_S, BLOCK_H, BLOCK_D) of a reduction of `parts` partials [T, H, D] with grid
+    (T, cdiv(H, BLOCK_H)): whole head rows, as many heads a program as PARTS_TILE holds while
+    the grid still fills the SMs, fewer where it would not (few tokens: a batch-1 decode runs one
+    head a program); then as many parts a step as the rest of PARTS_TILE holds (a decode's 4-64
+    parts in one or two steps)."""
+    block_d = triton.next_power_of_2(D)
+    block_h = min(triton.next_power_of_2(H), max(1, PARTS_TILE // block_d))
+    while block_h > 1 and T * triton.cdiv(H, block_h) < num_sms:
+        block_h //= 2
+    block_s = min(triton.next_power_of_2(max(parts, 1)), max(1, PARTS_TILE // (block_h * block_d)))
+    return block_s, block_h, block_d
+
+
 @triton.jit
-def merge_step(acc, m_i, l_i, b_out, b_lse):
-    """Fold one part into a running merge state; all of it fp32, natural log.
+def merge_parts(acc, m_i, l_i, b_out, b_lse):
+    """Fold S parts at once into a running merge state; all of it fp32, natural log.
 
     acc [BH, BD]: sum of exp(lse_p - m_i) * out_p over the parts so far; m_i [BH]: their largest
-    lse (-inf while all were empty); l_i [BH]: sum of exp(lse_p - m_i). b_out [BH, BD], b_lse [BH]:
-    the new part. Returns the new (acc, m_i, l_i). A NaN lse is not empty: its weight is NaN, so
-    l_i turns NaN and stays NaN (merge_finish reports it).
+    lse (-inf while all were empty); l_i [BH]: sum of exp(lse_p - m_i). b_out [S, BH, BD], b_lse
+    [S, BH]: the new parts (a part padded in with lse -inf is empty). Returns the new (acc, m_i,
+    l_i). A NaN lse is not empty: its weight is NaN, so l_i turns NaN and stays NaN (merge_finish
+    reports it). S parts at once let a reduction issue all their loads before it needs any.
     """
     m_empty = (b_lse == float("inf")) | (b_lse == float("-inf"))
     b_lse = tl.where(m_empty, float("-inf"), b_lse)
-    m_new = tl.maximum(m_i, b_lse)
+    m_new = tl.maximum(m_i, tl.max(b_lse, 0))
     # While every part so far is empty the max is -inf; shift by 0 so no inf - inf appears.
     m_sh = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_sh)
-    w = tl.exp(b_lse - m_sh)
+    w = tl.exp(b_lse - m_sh[None, :])
     # An empty part's out may hold anything: select instead of multiplying by a zero weight.
-    b_add = tl.where(m_empty[:, None], 0.0, w[:, None] * b_out)
-    return acc * alpha[:, None] + b_add, m_new, l_i * alpha + w
+    b_add = tl.sum(tl.where(m_empty[:, :, None], 0.0, w[:, :, None] * b_out), 0)
+    return acc * alpha[:, None] + b_add, m_new, l_i * alpha + tl.sum(w, 0)
+
+
+@triton.jit
+def merge_step(acc, m_i, l_i, b_out, b_lse):
+    """`merge_parts` with one part: b_out [BH, BD], b_lse [BH]."""
+    return merge_parts(acc, m_i, l_i, b_out[None, :, :], b_lse[None, :])
 
 
 @triton.jit

@@ -23,7 +23,7 @@ One kernel, `paged_attention_kernel`:
   Row blocks launch last-first: the most expensive causal blocks start in the first wave.
 - Short queries (decode, speculative decoding) whose grid would underfill the GPU split the key
   range over NUM_SPLITS programs; `paged_attention_reduce_kernel` folds the partial
-  (out, lse) pairs with `kernels.merge.merge_step`. The split count is chosen on the host from
+  (out, lse) pairs with `kernels.merge.merge_parts`. The split count is chosen on the host from
   shapes and the SM count: the decode path reads no device tensor on the host.
 - Short queries may run as key streams (autotune config STREAMS = warps): each warp takes its
   own BLOCK_N / STREAMS keys of every tile and keeps its own online softmax (3-D dots with the
@@ -48,7 +48,7 @@ import triton.language as tl
 
 from openmla.kernels.device import arch_of
 from openmla.kernels.configs import ConfigSpace
-from openmla.kernels.merge import merge_finish, merge_step
+from openmla.kernels.merge import merge_finish, merge_parts
 from openmla.kernels.softmax import finish_rows, row_faults
 from openmla.kernels.paged_attention.tile import (_attend_tile, _key_bounds, _merge_streams,
                                                   _rows)
@@ -367,25 +367,32 @@ def paged_attention_reduce_kernel(
     po_ptr, plse_ptr, out_ptr, lse_ptr,
     H, s_ps, s_pt, s_ph, s_pls, s_plt, s_ot, s_oh, s_lt, s_lh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """out, lse of BLOCK_H heads of one token from the NUM_SPLITS partials, BLOCK_S partials a
+    step: one step's loads are independent, so a decode's 16-64 partials of a head arrive in one
+    round of memory latency rather than one round a split (kernels.merge.merge_parts)."""
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
+    o_s = tl.arange(0, BLOCK_S)
     m_h = o_h < H
     m_hd = m_h[:, None] & (o_d < HEAD_DIM)[None, :]
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    # Pointers advance split by split: 64-bit arithmetic however large splits * T * H * D is.
-    p_po = po_ptr + i_t * s_pt + o_h[:, None] * s_ph + o_d[None, :]
-    p_pl = plse_ptr + i_t * s_plt + o_h
-    for i_s in range(NUM_SPLITS):  # a loop, not unrolled: unrolled, every load is hoisted
-        b_o = tl.load(p_po, mask=m_hd, other=0.0)
-        b_l = tl.load(p_pl, mask=m_h, other=float("-inf"))
-        acc, m_i, l_i = merge_step(acc, m_i, l_i, b_o, b_l)
-        p_po += s_ps
-        p_pl += s_pls
+    o_hd = (o_h[:, None] * s_ph + o_d[None, :])[None]
+    p_po = po_ptr + i_t * s_pt
+    p_pl = plse_ptr + i_t * s_plt
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):  # a loop, not unrolled: one step's loads at a time
+        o_sp = o_s + s0
+        m_s = o_sp < NUM_SPLITS
+        o_sp = o_sp.to(tl.int64)  # 64-bit split offsets however large splits * T * H * D is
+        b_l = tl.load(p_pl + o_sp[:, None] * s_pls + o_h[None, :], mask=m_s[:, None] & m_h[None, :],
+                      other=float("-inf"))
+        b_o = tl.load(p_po + o_sp[:, None, None] * s_ps + o_hd, mask=m_s[:, None, None] & m_hd[None],
+                      other=0.0)
+        acc, m_i, l_i = merge_parts(acc, m_i, l_i, b_o, b_l)
     b_o, b_lse = merge_finish(acc, m_i, l_i)
     tl.store(out_ptr + i_t * s_ot + o_h[:, None] * s_oh + o_d[None, :],
              b_o.to(out_ptr.dtype.element_ty), mask=m_hd)

@@ -24,6 +24,7 @@ import triton
 
 from openmla.kernels.device import arch_of, num_sms
 from openmla.kernels.launch import FastLaunch
+from openmla.kernels.merge import parts_tile
 from openmla.kernels.paged_attention.kernel import (paged_attention_kernel,
                                                     paged_attention_reduce_kernel)
 from openmla.quant.kv_cache import cache_dims, cache_strides
@@ -226,11 +227,10 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
 
     # short queries: BLOCK_M is BLOCK_M_WANT (the prune rule keeps no other)
     grid = grid_fn({"BLOCK_M": block_m_want}) if block_m_want else None
-    block_d = triton.next_power_of_2(D)
-    block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_d))
+    block_s, block_h, block_d = parts_tile(T, H, D, splits, num_sms(q.device))
     reduce_ints = (H, T * H * D, H * D, D, T * H, H, out.stride(0), out.stride(1), *s_lse)
     reduce_consts = dict(HEAD_DIM=D, NUM_SPLITS=splits, WRITE_LSE=lse is not None,
-                         BLOCK_H=block_h, BLOCK_D=block_d)
+                         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d)
     return _Plan(grid, grid_fn, ints_a, ints_b, consts, splits, part_numel, lse_off, is_fp8,
                  v_int8, k_int8, is_fp8 and not arch.fp8_type, (T, triton.cdiv(H, block_h)),
                  reduce_ints, reduce_consts)

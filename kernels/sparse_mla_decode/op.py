@@ -33,6 +33,7 @@ from openmla.kernels.sparse_mla_decode.triton_kernel import (sparse_mla_decode_k
                                                              sparse_mla_decode_merge_kernel)
 from openmla.kernels.device import arch_of, num_sms
 from openmla.kernels.launch import FastLaunch
+from openmla.kernels.merge import parts_tile
 from openmla.quant.validate import (CheckedCalls, check_out, check_same_device, check_scale,
                                     check_tensor, fail, tensor_signature)
 from openmla.quant.format_types import SPARSE_MLA
@@ -107,7 +108,7 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
                   ROPE=fmt.rope_dim, SCALE_OFF=fmt.scale_offset if is_fp8 else 0,
                   ROPE_OFF=fmt.rope_offset)
     grid = (T * num_hb, num_splits)
-    merge = _merge_plan(T, H, attn_sink is not None, fmt)
+    merge = _merge_plan(T, H, num_splits, attn_sink is not None, fmt, num_sms(q.device))
     pid = next(_PLAN_IDS)
     if sm90:
         return (_SM90, grid, ints, (stride_cb, stride_cr), dict(consts, num_warps=_sm90.NUM_WARPS),
@@ -179,11 +180,11 @@ def _execute(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt):
     return lse
 
 
-def _merge_plan(T, H, has_sink, fmt):
+def _merge_plan(T, H, num_splits, has_sink, fmt, sms):
     """The merge kernel's grid and constexprs."""
-    block_hm = min(16, triton.next_power_of_2(H))
-    return (T, triton.cdiv(H, block_hm)), dict(HAS_SINK=has_sink, BLOCK_H=block_hm, DV=fmt.latent_dim,
-                                               num_warps=4)
+    block_s, block_h, _ = parts_tile(T, H, fmt.latent_dim, num_splits, sms)
+    return (T, triton.cdiv(H, block_h)), dict(HAS_SINK=has_sink, BLOCK_S=block_s, BLOCK_H=block_h,
+                                              DV=fmt.latent_dim, num_warps=4)
 
 
 def _merge(po, plse, attn_sink, out, lse, fmt, key, plan=None):
@@ -191,7 +192,8 @@ def _merge(po, plse, attn_sink, out, lse, fmt, key, plan=None):
     once. key: a FastLaunch key fixing every argument but the pointers (None: Triton's launch).
     plan: _merge_plan's result for these shapes, when the caller has it."""
     T, num_splits, H = plse.shape
-    mgrid, mconsts = plan or _merge_plan(T, H, attn_sink is not None, fmt)
+    mgrid, mconsts = plan or _merge_plan(T, H, num_splits, attn_sink is not None, fmt,
+                                         num_sms(po.device))
     sink = attn_sink if attn_sink is not None else lse
     margs = (po, plse, sink, out, lse, H, num_splits, out.stride(0), out.stride(1))
     if key is not None:

@@ -12,7 +12,7 @@ accumulator kept in units of R_t). bf16 cache: bf16 operands, P split into bf16 
 Either way P reaches the tensor cores to ~2^-11 or better: a bf16 P (2^-9) misses the tests'
 2/128 where outputs cancel. Scores live in the log2 domain (scale * log2(e) folded in).
 
-A second kernel merges the partial (out, lse) pairs of a topk split (kernels.merge.merge_step).
+A second kernel merges the partial (out, lse) pairs of a topk split (kernels.merge.merge_parts).
 Dispatch, configs and splits: kernels/sparse_mla_decode/op.py.
 """
 import triton
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_factor, keep_faults, pow2_at_least,
                                                       sink_factor, softmax_step, split_range)
-from openmla.kernels.merge import merge_finish, merge_step
+from openmla.kernels.merge import merge_finish, merge_parts
 from openmla.quant.e4m3 import e4m3_to_f16
 
 
@@ -215,21 +215,26 @@ def sparse_mla_decode_kernel(
 def sparse_mla_decode_merge_kernel(
     po_ptr, plse_ptr, sink_ptr, out_ptr, lse_ptr,
     H, NUM_SPLITS, stride_ot, stride_oh,
-    HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr,
+    HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr,
 ):
-    """Merge the NUM_SPLITS normalized partials (out_s, lse_s) of one token and head block."""
+    """Merge the NUM_SPLITS normalized partials (out_s, lse_s) of one token and head block,
+    BLOCK_S of them a step (their loads issued together: kernels.merge.merge_parts)."""
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
     o_d = tl.arange(0, DV)
+    o_s = tl.arange(0, BLOCK_S)
     acc = tl.zeros([BLOCK_H, DV], tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    for i_s in range(NUM_SPLITS):
-        o_row = (i_t * NUM_SPLITS + i_s) * H + o_h
-        b_lse = tl.load(plse_ptr + o_row, mask=m_h, other=float("-inf"))
-        b_out = tl.load(po_ptr + o_row[:, None] * DV + o_d[None, :], mask=m_h[:, None], other=0.0)
-        acc, m_i, l_i = merge_step(acc, m_i, l_i, b_out, b_lse)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        m_s = (o_s + s0) < NUM_SPLITS
+        o_row = (i_t * NUM_SPLITS + (o_s + s0))[:, None] * H + o_h[None, :]  # [BLOCK_S, BLOCK_H]
+        m_sh = m_s[:, None] & m_h[None, :]
+        b_lse = tl.load(plse_ptr + o_row, mask=m_sh, other=float("-inf"))
+        b_out = tl.load(po_ptr + o_row[:, :, None] * DV + o_d[None, None, :], mask=m_sh[:, :, None],
+                        other=0.0)
+        acc, m_i, l_i = merge_parts(acc, m_i, l_i, b_out, b_lse)
     b_o, b_lse = merge_finish(acc, m_i, l_i)
     if HAS_SINK:
         b_o = b_o * sink_factor(sink_ptr, o_h, m_h, b_lse)[:, None]

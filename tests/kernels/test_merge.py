@@ -137,3 +137,76 @@ def test_registered_as_custom_op():
     torch.library.opcheck(torch.ops.openmla.merge_attn_states.default,
                           (torch.empty_like(a), a, lse, a.clone(), lse.clone(), torch.empty_like(lse)),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def _fold_ref(po, plse):
+    """merge_attn_states_ref folded over the parts: po [S, T, H, D], plse [S, T, H]."""
+    out, lse = po[0].float(), plse[0].float()
+    for s in range(1, po.shape[0]):
+        out, lse = merge_attn_states_ref(out, lse, po[s], plse[s])
+    return out, lse
+
+
+def _many_parts(S, T, H, D, g):
+    """S partials with empty parts (+-inf lse over NaN out) here and there, a row whose only
+    non-empty parts sit in the last step, a NaN lse late in one row and a NaN out in another."""
+    po = torch.randn(S, T, H, D, generator=g) * 2
+    plse = torch.randn(S, T, H, generator=g) * 4
+    empty = torch.rand(S, T, H, generator=g) < 0.3
+    plse[empty] = torch.where(torch.rand(int(empty.sum()), generator=g) < 0.5, INF, -INF)
+    po[empty] = float("nan")
+    plse[:, 0, 0] = -INF
+    po[:, 0, 0] = float("nan")
+    plse[S - 2:, 0, 0] = torch.tensor([1.5, 0.25])[: min(S, 2)]
+    po[S - 2:, 0, 0] = torch.randn(min(S, 2), D, generator=g)
+    plse[S - 1, 1, 1] = float("nan")  # a non-empty part with a NaN lse, in the last step
+    plse[S - 3, 0, 2], po[S - 3, 0, 2, 5] = 0.5, INF  # a non-empty part with an inf in its out
+    plse[:, 1, 2] = -INF  # every part empty
+    return po, plse
+
+
+@pytest.mark.parametrize("S,block_s", [(37, 8), (5, 16), (64, 64)], ids=["S37-steps-of-8", "S5-one-step",
+                                                                       "S64-one-full-step"])
+def test_paged_split_reduction_folds_parts_in_steps(S, block_s):
+    """paged_attention_reduce_kernel, BLOCK_S parts a step (a last partial step included), equals
+    the two-part merge folded over every part: empty parts skipped, faults NaN, all-empty 0 / -inf."""
+    from openmla.kernels.paged_attention.kernel import paged_attention_reduce_kernel
+    g = torch.Generator().manual_seed(S)
+    T, H, D = 2, 3, 40
+    po, plse = _many_parts(S, T, H, D, g)
+    want, want_lse = _fold_ref(po, plse)
+    po, plse = po.to(DEVICE).contiguous(), plse.to(DEVICE).contiguous()
+    out = torch.full((T, H, D), 7.0, device=DEVICE)
+    lse = torch.full((T, H), 7.0, device=DEVICE)
+    paged_attention_reduce_kernel[(T, 2)](
+        po, plse, out, lse, H, T * H * D, H * D, D, T * H, H, out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1), HEAD_DIM=D, NUM_SPLITS=S, WRITE_LSE=True, BLOCK_S=block_s,
+        BLOCK_H=2, BLOCK_D=64)
+    assert_close("out", out, want, "fp32")
+    assert_close("lse", lse, want_lse, "fp32")
+    assert bool(out[1, 1].isnan().all()) and bool(lse[1, 1].isnan()), "a NaN lse was dropped"
+    assert bool(out[0, 2].isnan().all()) and bool(lse[0, 2].isnan()), "an inf out was dropped"
+    assert bool((out[1, 2] == 0).all()) and float(lse[1, 2]) == -INF
+
+
+def test_sparse_decode_merge_folds_parts_in_steps(monkeypatch):
+    """The sparse decode's split merge with a small PARTS_TILE (several steps of BLOCK_S parts)
+    equals the two-part merge folded over every part."""
+    from openmla.kernels import merge as merge_mod
+    from openmla.kernels.sparse_mla_decode.op import _merge
+    from openmla.quant.formats import BF16_MLA
+    monkeypatch.setattr(merge_mod, "PARTS_TILE", 2048)  # 4 parts a step at D 512
+    g = torch.Generator().manual_seed(11)
+    S, T, H, D = 11, 2, 3, BF16_MLA.latent_dim
+    po, plse = _many_parts(S, T, H, D, g)
+    want, want_lse = _fold_ref(po, plse)
+    assert merge_mod.parts_tile(T, H, D, S, 8)[0] < S
+    po = po.permute(1, 0, 2, 3).contiguous().to(DEVICE)  # [T, S, H, D] as the decode leaves them
+    plse = plse.permute(1, 0, 2).contiguous().to(DEVICE)
+    out = torch.full((T, H, D), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.full((T, H), 7.0, device=DEVICE)
+    _merge(po, plse, None, out, lse, BF16_MLA, None)
+    assert_close("out", out, want, "bf16")
+    assert_close("lse", lse, want_lse, "fp32")
+    assert bool(out[1, 1].isnan().all()) and bool(out[0, 2].isnan().all())
+    assert bool((out[1, 2] == 0).all()) and float(lse[1, 2]) == -INF
