@@ -50,11 +50,13 @@ from openmla.kernels.device import arch_of
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.merge import merge_finish, merge_parts
 from openmla.kernels.softmax import finish_rows, row_faults
+from openmla.kernels.paged_attention.key_flags import GROUP
 from openmla.kernels.paged_attention.tile import (_attend_tile, _key_bounds, _merge_streams,
                                                   _rows)
 from openmla.quant.int8 import INT8_SCALE_FLOOR, int8_quantize_rows
 
 _INT8_FLOOR = tl.constexpr(INT8_SCALE_FLOOR)
+KEY_GROUP = tl.constexpr(GROUP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,18 +148,19 @@ _SPACE = ConfigSpace("paged_attention_kernel", tuple(_CONFIGS),
 @triton.jit
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, lens_ptr,
-    alibi_ptr, sink_ptr, k_scale_ptr, v_scale_ptr, ksc_ptr, ksm_ptr, out_ptr, lse_ptr,
+    alibi_ptr, sink_ptr, k_scale_ptr, v_scale_ptr, ksc_ptr, ksm_ptr, kflags_ptr, out_ptr, lse_ptr,
     T, R, NUM_BLOCKS, MAX_KV,
     qk_scale2, softcap2, win_left, win_right,
     s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
     s_os, s_ot, s_oh, s_ls, s_lt, s_lh, s_kscb, s_ksch, s_ksct, s_vsh, s_vsd, s_ksmh, s_ksmd,
+    s_kfr, s_kfh,
     BLOCK_M_WANT: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, IS_FP8: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, ALIBI_SQRT: tl.constexpr, HAS_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, NEG_Q: tl.constexpr,
     KV_SAME: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, V_FAST_CVT: tl.constexpr,
-    K_SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STREAMS: tl.constexpr,
+    K_SMOOTH: tl.constexpr, KEY_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STREAMS: tl.constexpr,
 ):
     i_qb = tl.program_id(0)
     if BLOCK_M_WANT == 0:
@@ -217,6 +220,8 @@ def paged_attention_kernel(
 
     b_q = tl.load(q_ptr + o_tok[:, None] * s_qt + o_h[:, None] * s_qh + o_d[None, :],
                   mask=m_m[:, None] & m_d[None, :], other=0.0)
+    if KEY_FLAGS:  # a row whose q holds a NaN or inf: NaN here, else 0 (see the interior flags)
+        b_qbad = row_faults(b_q.to(tl.float32))
     if NEG_Q:  # scale < 0: the host passed |scale| (interior tiles need a scale >= 0)
         b_q = (-b_q.to(tl.float32)).to(b_q.dtype)  # exact
     qk_scale = qk_scale2
@@ -304,6 +309,21 @@ def paged_attention_kernel(
             n_bad += tl.sum(((b_pg < 0) | (b_pg >= NUM_BLOCKS)).to(tl.int32))
         if n_bad > 0:
             n_out = n_in
+    b_fault = tl.zeros([BLOCK_M], tl.float32)
+    if KEY_FLAGS:
+        # Long queries over a bf16 / fp16 cache: the interior tiles' key faults come from the
+        # flags of key_flags.py (whole 16-key groups: interior bounds are multiples of BLOCK_N),
+        # read here once; a row whose q holds a NaN or inf has non-finite scores for every key.
+        # Either makes every row that attends an interior key NaN (kernel faults: softmax.py).
+        n_flag = tl.zeros([], tl.int32)
+        p_kf = kflags_ptr + i_r.to(tl.int64) * s_kfr + i_kvh * s_kfh
+        g_end = n_out // KEY_GROUP
+        for g0 in range(n_in // KEY_GROUP, g_end, 256):
+            o_g = g0 + tl.arange(0, 256)
+            n_flag += tl.sum(tl.load(p_kf + o_g, mask=o_g < g_end, other=0).to(tl.int32))
+        b_fault = tl.where(n_out > n_in,
+                           tl.where(n_flag > 0, float("nan"), b_qbad),
+                           0.0)
     # The block ids of the next interior tile are loaded one step ahead into registers: the
     # K / V copies then depend on no load of their own iteration, and the pipeliner can
     # issue them num_stages - 1 tiles ahead.
@@ -328,7 +348,8 @@ def paged_attention_kernel(
             b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
             s_kb, s_kt, s_vb, s_vt, o_d, m_d, b_qs, p_ks, s_kscb, s_ksct, K_INT8, PV_DT,
             V_FAST_CVT, False, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
-            CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N)
+            CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N,
+            not KEY_FLAGS)
     # Masked tiles: [n_start, n_in) then [n_out, n_end).
     n_head = (n_in - n_start) // BLOCK_N
     n_tiles = n_head + tl.cdiv(tl.maximum(n_end - n_out, 0), BLOCK_N)
@@ -339,7 +360,8 @@ def paged_attention_kernel(
             b_slope, qk_scale, softcap2, win_left, win_right, NUM_BLOCKS, kv_start,
             s_kb, s_kt, s_vb, s_vt, o_d, m_d, b_qs, p_ks, s_kscb, s_ksct, K_INT8, PV_DT,
             V_FAST_CVT, True, HEAD_DIM, BLOCK_D, PAGE_SIZE, IS_PAGED,
-            CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N)
+            CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SQRT, IS_FP8, KV_SAME, BLOCK_N,
+            True)
     if STREAMS:
         acc, m_i, l_i = _merge_streams(acc, m_i, l_i)
 
@@ -349,6 +371,8 @@ def paged_attention_kernel(
         acc = acc * tl.load(v_scale_ptr + i_kvh * s_vsh + o_d * s_vsd, mask=m_d, other=0.0)[None, :]
     # faults (kernels/softmax.py): a NaN sum, or a NaN or inf that reached the accumulator
     # through a value, makes the row's out and lse NaN
+    if KEY_FLAGS:
+        l_i = l_i + b_fault
     b_inv, b_lse = finish_rows(l_i, m_i)
     b_bad = row_faults(acc)
     b_o = acc * (b_inv + b_bad)[:, None]

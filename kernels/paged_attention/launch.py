@@ -27,6 +27,7 @@ from openmla.kernels.launch import FastLaunch
 from openmla.kernels.merge import parts_tile
 from openmla.kernels.paged_attention.kernel import (paged_attention_kernel,
                                                     paged_attention_reduce_kernel)
+from openmla.kernels.paged_attention.key_flags import GROUP, GROUPS_A_STEP, key_flags_kernel
 from openmla.quant.kv_cache import cache_dims, cache_strides
 from openmla.quant.mha_formats import MHA_AUTO, MHAFormat
 
@@ -105,6 +106,7 @@ class _Plan(NamedTuple):
     reduce_grid: tuple
     reduce_ints: tuple  # the reduction's ints after its four pointers
     reduce_consts: dict
+    flags: Optional[tuple]  # key_flags.py's pass: (bytes, grid, ints, constexprs), or None
 
 
 def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms: int,
@@ -197,6 +199,21 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
     s_vs = tuple(v_scale.stride()) if v_int8 else (0, 0)
     s_ksm = tuple(k_smooth.stride()) if k_smooth is not None else (0, 0)
     s_lse = tuple(lse.stride()) if lse is not None else (0, 0)
+    # Long queries over a bf16 / fp16 paged cache take their interior tiles' key faults from a
+    # flag pass over K (key_flags.py) instead of a check per score; the other score options
+    # (softcap, alibi) and quantized K keep the per-score check everywhere.
+    key_flags = (block_m_want == 0 and keys.is_paged and not (is_fp8 or k_int8)
+                 and opts.softcap <= 0 and opts.alibi_slopes is None)
+    flags = None
+    s_kf = (0, 0)
+    if key_flags:
+        groups = triton.cdiv(keys.kv_cap, GROUP)
+        s_kf = (H_kv * groups, groups)
+        nprog = max(1, triton.cdiv(4 * num_sms(q.device), R * H_kv))
+        flags = (R * H_kv * groups, (R, H_kv, nprog),
+                 (keys.num_blocks, keys.kv_cap, nprog, s_kb, s_kt, s_kh, keys.s_bt, *s_kf),
+                 dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), PAGE_SIZE=keys.page_size,
+                      GROUP_=GROUP, GROUPS=GROUPS_A_STEP))
     part_numel = lse_off = 0
     if splits > 1:
         # one fp32 buffer: out partials [splits, T, H, D], then (16-byte aligned) lse [splits, T, H]
@@ -208,7 +225,7 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
     left, right = opts.window
     ints_a = (T, R, keys.num_blocks, keys.kv_cap)
     ints_b = (left, right, q.stride(0), q.stride(1), s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-              keys.s_bt, *s_o, *s_ksc, *s_vs, *s_ksm)
+              keys.s_bt, *s_o, *s_ksc, *s_vs, *s_ksm, *s_kf)
     consts = dict(
         # int8 dots take K in steps of 32 (mma k32).
         BLOCK_M_WANT=block_m_want, GQA=gqa, HEAD_DIM=D,
@@ -219,7 +236,7 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
         HAS_SINKS=opts.sinks is not None,
         NUM_SPLITS=splits, WRITE_LSE=splits > 1 or lse is not None, NEG_Q=opts.scale < 0,
         KV_SAME=(s_kb, s_kt) == (s_vb, s_vt), K_INT8=k_int8, V_INT8=v_int8,
-        V_FAST_CVT=v_int8 and arch.ptx, K_SMOOTH=k_smooth is not None,
+        V_FAST_CVT=v_int8 and arch.ptx, K_SMOOTH=k_smooth is not None, KEY_FLAGS=key_flags,
     )
 
     def grid_fn(meta):  # request r's row blocks start at cu_q[r] * GQA // BLOCK_M + r
@@ -233,7 +250,7 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
                          BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d)
     return _Plan(grid, grid_fn, ints_a, ints_b, consts, splits, part_numel, lse_off, is_fp8,
                  v_int8, k_int8, is_fp8 and not arch.fp8_type, (T, triton.cdiv(H, block_h)),
-                 reduce_ints, reduce_consts)
+                 reduce_ints, reduce_consts, flags)
 
 
 def _run(plan: _Plan, key, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: ScoreOptions,
@@ -249,13 +266,18 @@ def _run(plan: _Plan, key, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: S
     ksc = k_scale_cache if plan.k_int8 else dummy
     ksm = k_smooth if k_smooth is not None else dummy
     lse_arg = lse if lse is not None else dummy
+    kflags = dummy
+    if plan.flags is not None:
+        numel, fgrid, fints, fconsts = plan.flags
+        kflags = torch.empty((numel,), dtype=torch.uint8, device=q.device)
+        key_flags_kernel[fgrid](k, table, lens, kflags, *fints, **fconsts)
     split = plan.splits > 1
     if split:
         part = torch.empty((plan.part_numel,), dtype=torch.float32, device=q.device)
         o_ptr, l_ptr = part, part[plan.lse_off:]
     else:
         o_ptr, l_ptr = out, lse_arg
-    args = (q, k, v, table, cu_seqlens_q, lens, alibi, sinks, ks, vs, ksc, ksm, o_ptr, l_ptr,
+    args = (q, k, v, table, cu_seqlens_q, lens, alibi, sinks, ks, vs, ksc, ksm, kflags, o_ptr, l_ptr,
             *plan.ints_a, abs(opts.scale) * LOG2E, opts.softcap * LOG2E, *plan.ints_b)
     # The plan's key fixes every int argument, constexpr and tensor dtype of both launches; with
     # every pointer 16-byte aligned (as the caching allocator gives them) it keys the launches
@@ -263,7 +285,7 @@ def _run(plan: _Plan, key, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: S
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | table.data_ptr() | dummy.data_ptr()
                | lens.data_ptr() | alibi.data_ptr() | sinks.data_ptr() | ks.data_ptr()
                | vs.data_ptr() | ksc.data_ptr() | ksm.data_ptr() | out.data_ptr()
-               | lse_arg.data_ptr() | o_ptr.data_ptr() | l_ptr.data_ptr()) & 15 == 0
+               | lse_arg.data_ptr() | o_ptr.data_ptr() | l_ptr.data_ptr() | kflags.data_ptr()) & 15 == 0
     if plan.grid is None or len(paged_attention_kernel.configs) == 1:
         # Triton's launch, the grid from the config it picks: long queries (BLOCK_M autotuned),
         # or a config list of one (tests pin one), which Triton's autotuner launches without the

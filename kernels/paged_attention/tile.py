@@ -45,7 +45,7 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
                  PAGE_SIZE: tl.constexpr, IS_PAGED: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                  ALIBI_SQRT: tl.constexpr, IS_FP8: tl.constexpr, KV_SAME: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, KEEP_FAULTS: tl.constexpr):
     """One BLOCK_N key tile (starting at n0, a multiple of BLOCK_N) of the online softmax.
     Rank-generic: keys n0 + o_tile, with o_tile [BLOCK_N] (one stream: acc [M, D], m_i / l_i
     [M], b_q [M, D]) or [S, BLOCK_N / S] (S key streams, one per warp: acc [S, M, D], m_i / l_i
@@ -59,7 +59,8 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
     in PV_DT (q's dtype; fp16 for an int8 V, which converts exactly, with V_FAST_CVT by byte
     permutes); an int8 V's per-channel scale is the caller's epilogue.
     Faults (kernels/softmax.py): a NaN or inf score of a loaded key turns NaN before masking, so
-    the rows that attend it end NaN and the others mask it away. A NaN or inf value reaches the
+    the rows that attend it end NaN and the others mask it away (in an interior tile without
+    softcap, alibi or a quantized K, KEEP_FAULTS=False leaves that to the caller's key flags). A NaN or inf value reaches the
     accumulator of every row of the tile through the value dot, the rows that attend it and, in a
     masked tile, also the rows that share the tile without attending it (0 * NaN); the caller's
     finish turns any such row NaN whole. Keeping those rows clean would take zeroing bad value
@@ -153,7 +154,9 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
         # and the scaling folds into one fma per score (fp8 takes the branch above: its scale
         # also holds k_scale, a device value). Every row sees every key: m_new is finite unless
         # a fault made a whole first tile NaN (then l_i is NaN, which is all the finish needs).
-        b_s = keep_faults(b_s)
+        # KEEP_FAULTS=False: the caller knows this tile's faults from per-key flags (kernel.py).
+        if KEEP_FAULTS:
+            b_s = keep_faults(b_s)
         m_new = tl.maximum(m_i, tl.max(b_s, -1) * qk_scale)
         m_sh = m_new
         b_p = tl.exp2(b_s * qk_scale - tl.expand_dims(m_sh, -1))

@@ -420,6 +420,54 @@ def test_paged_fault_with_sinks_softcap_window():
     _check_mha(b, _rows(1, 2, 3), sinks=sinks, softcap=5.0, window=(20, 0))
 
 
+LONG_SEQS = [(40, 300), (20, 180)]  # long queries (> 16 tokens): rows 0-39 | 40-59 | 60-61 padding
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_paged_long_query_faults(causal):
+    """Long queries over a bf16 cache take their interior tiles' key faults from key flags
+    (kernels/paged_attention/key_flags.py): a NaN key and a -inf key that every row of their
+    request attends (-inf scores would otherwise vanish in the softmax), an +inf key past most
+    rows' causal bound (a masked tile: only the rows that attend it), an inf in one q row, and
+    NaN in every unused slot of the caches; 1, 2 and 3 forced splits and the op's own choice."""
+    b = paged_batch(LONG_SEQS, H, H_KV, D, BS, seed=8)
+    _poison_kv(b, "k", 0, 5, NAN)
+    _poison_kv(b, "k", 1, 100, -INF)
+    _poison_kv(b, "k", 0, 290, INF)  # context 260: queries 30..39 attend it (causal)
+    b["q"][45, 3, 9] = INF  # request 1, token 5, head 3 (KV head 1: no bad key)
+    nan_rows = torch.zeros(62, H, dtype=torch.bool)
+    nan_rows[0:60, 0:2] = True  # both requests' rows of KV head 0
+    nan_rows[45, 3] = True
+    want, want_lse = paged_attention_ref(**b, scale=MHA_SCALE, causal=causal)
+    assert torch.equal(torch.isnan(want_lse).cpu()[:60], nan_rows[:60]), "the oracle disagrees"
+    for n in (1, 2, 3, None):
+        out, lse = paged_attention(**b, scale=MHA_SCALE, return_lse=True, num_splits=n,
+                                   causal=causal, max_query_len=40)
+        m = nan_rows[:60].to(out.device)
+        assert torch.equal(torch.isnan(lse[:60]).cpu(), nan_rows[:60]), f"num_splits={n}"
+        assert bool(torch.isnan(out[:60][m]).all()) and bool(torch.isfinite(out[:60][~m]).all())
+        assert_close(f"out (num_splits={n})", out[:60], want[:60], "bf16")
+        assert_close(f"lse (num_splits={n})", lse[:60], want_lse[:60], "fp32")
+
+
+def test_paged_long_query_key_fault_past_the_causal_bound():
+    """A bad key that only the last rows of a long query attend, and one beyond every row
+    (position 299 of request 0 is its last key; request 1's keys end at 180): exactly the rows
+    that attend it turn NaN, whatever tile class (interior or masked) it falls in."""
+    b = paged_batch(LONG_SEQS, H, H_KV, D, BS, seed=9)
+    _poison_kv(b, "k", 0, 299, -INF)  # only query 39 (context 260 + 39) attends it
+    _poison_kv(b, "k", 1, 170, NAN)   # context 160: queries 10..19 of request 1
+    nan_rows = torch.zeros(62, H, dtype=torch.bool)
+    nan_rows[39, 0:2] = True
+    nan_rows[50:60, 0:2] = True
+    want, want_lse = paged_attention_ref(**b, scale=MHA_SCALE)
+    assert torch.equal(torch.isnan(want_lse).cpu()[:60], nan_rows[:60]), "the oracle disagrees"
+    out, lse = paged_attention(**b, scale=MHA_SCALE, return_lse=True, max_query_len=40)
+    assert torch.equal(torch.isnan(lse[:60]).cpu(), nan_rows[:60])
+    assert_close("out", out[:60], want[:60], "bf16")
+    assert_close("lse", lse[:60], want_lse[:60], "fp32")
+
+
 def test_varlen_fault():
     """varlen_attention (contiguous k / v, causal): a bad key of request 1 at a position both its
     queries attend."""
