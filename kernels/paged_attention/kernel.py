@@ -160,7 +160,8 @@ def paged_attention_kernel(
     HAS_ALIBI: tl.constexpr, ALIBI_SQRT: tl.constexpr, HAS_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, NEG_Q: tl.constexpr,
     KV_SAME: tl.constexpr, K_INT8: tl.constexpr, V_INT8: tl.constexpr, V_FAST_CVT: tl.constexpr,
-    K_SMOOTH: tl.constexpr, KEY_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STREAMS: tl.constexpr,
+    K_SMOOTH: tl.constexpr, KEY_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STREAMS: tl.constexpr,
 ):
     i_qb = tl.program_id(0)
     if BLOCK_M_WANT == 0:
@@ -412,10 +413,10 @@ def paged_attention_reduce_kernel(
         o_sp = o_s + s0
         m_s = o_sp < NUM_SPLITS
         o_sp = o_sp.to(tl.int64)  # 64-bit split offsets however large splits * T * H * D is
-        b_l = tl.load(p_pl + o_sp[:, None] * s_pls + o_h[None, :], mask=m_s[:, None] & m_h[None, :],
-                      other=float("-inf"))
-        b_o = tl.load(p_po + o_sp[:, None, None] * s_ps + o_hd, mask=m_s[:, None, None] & m_hd[None],
-                      other=0.0)
+        b_l = tl.load(p_pl + o_sp[:, None] * s_pls + o_h[None, :],
+                      mask=m_s[:, None] & m_h[None, :], other=float("-inf"))
+        b_o = tl.load(p_po + o_sp[:, None, None] * s_ps + o_hd,
+                      mask=m_s[:, None, None] & m_hd[None], other=0.0)
         acc, m_i, l_i = merge_parts(acc, m_i, l_i, b_o, b_l)
     b_o, b_lse = merge_finish(acc, m_i, l_i)
     tl.store(out_ptr + i_t * s_ot + o_h[:, None] * s_oh + o_d[None, :],

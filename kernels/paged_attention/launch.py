@@ -277,15 +277,16 @@ def _run(plan: _Plan, key, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: S
         o_ptr, l_ptr = part, part[plan.lse_off:]
     else:
         o_ptr, l_ptr = out, lse_arg
-    args = (q, k, v, table, cu_seqlens_q, lens, alibi, sinks, ks, vs, ksc, ksm, kflags, o_ptr, l_ptr,
-            *plan.ints_a, abs(opts.scale) * LOG2E, opts.softcap * LOG2E, *plan.ints_b)
+    args = (q, k, v, table, cu_seqlens_q, lens, alibi, sinks, ks, vs, ksc, ksm, kflags, o_ptr,
+            l_ptr, *plan.ints_a, abs(opts.scale) * LOG2E, opts.softcap * LOG2E, *plan.ints_b)
     # The plan's key fixes every int argument, constexpr and tensor dtype of both launches; with
     # every pointer 16-byte aligned (as the caching allocator gives them) it keys the launches
     # too. Otherwise FastLaunch keys on the arguments themselves.
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | table.data_ptr() | dummy.data_ptr()
                | lens.data_ptr() | alibi.data_ptr() | sinks.data_ptr() | ks.data_ptr()
                | vs.data_ptr() | ksc.data_ptr() | ksm.data_ptr() | out.data_ptr()
-               | lse_arg.data_ptr() | o_ptr.data_ptr() | l_ptr.data_ptr() | kflags.data_ptr()) & 15 == 0
+               | lse_arg.data_ptr() | o_ptr.data_ptr() | l_ptr.data_ptr()
+               | kflags.data_ptr()) & 15 == 0
     if plan.grid is None or len(paged_attention_kernel.configs) == 1:
         # Triton's launch, the grid from the config it picks: long queries (BLOCK_M autotuned),
         # or a config list of one (tests pin one), which Triton's autotuner launches without the

@@ -60,10 +60,10 @@ def _attend_tile(acc, m_i, l_i, b_q, p_k, p_v, p_bt, b_blk_in, n0, o_tile, lo, n
     permutes); an int8 V's per-channel scale is the caller's epilogue.
     Faults (kernels/softmax.py): a NaN or inf score of a loaded key turns NaN before masking, so
     the rows that attend it end NaN and the others mask it away (in an interior tile without
-    softcap, alibi or a quantized K, KEEP_FAULTS=False leaves that to the caller's key flags). A NaN or inf value reaches the
-    accumulator of every row of the tile through the value dot, the rows that attend it and, in a
-    masked tile, also the rows that share the tile without attending it (0 * NaN); the caller's
-    finish turns any such row NaN whole. Keeping those rows clean would take zeroing bad value
+    softcap, alibi or a quantized K, KEEP_FAULTS=False leaves that to the caller's key flags).
+    A NaN or inf value reaches the accumulator of every row of the tile through the value dot,
+    the rows that attend it and, in a masked tile, also the rows that share the tile without
+    attending it (0 * NaN); the caller's finish turns any such row NaN whole. Keeping those rows clean would take zeroing bad value
     rows per element and moving a per-key flag from the value layout to the score layout in
     every masked tile (instructions and registers the decode kernel would pay on every step), so
     they are left to turn NaN: they belong to the request whose value is bad."""
