@@ -5,6 +5,12 @@ One program takes one request's next_n query rows (every head: one dot of next_n
 walks its key tiles with a stride of `splits`, so a small batch still fills the GPU and every
 program reads each cache byte it needs once. The row ends are read on the device (no host sync,
 CUDA-graph capturable); the grid depends on the batch size and max_model_len only.
+
+On sm_90+ a tile is one page, fetched by TMA (two tensor descriptors over the cache: the page's
+block_size x 128 key bytes and its block_size fp32 scales), when the page size and the cache's
+alignment allow it (`_tma_ok`); elsewhere a tile of block_n keys is gathered with pointer loads.
+H200, 2026-11-25, batch 64 x 64K context (553 MB of cache): pointer tiles 0.369 ms, TMA pages
+0.190 ms (docs/notes/indexer.md).
 Semantics: kernels/reference/indexer.py (paged_mqa_logits_ref).
 """
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from openmla.kernels.device import arch_of, num_sms
 from openmla.quant.indexer_cache import INDEXER_K_FP8, indexer_k_format_of
@@ -21,15 +28,23 @@ from openmla.kernels.indexer._tile import (as_dot_operand, fp8_dot, load_query_b
 
 __all__ = ["paged_mqa_logits"]
 
+# K of the fp8 MMA steps summed at reduced precision before an fp32 add (weighted_relu_logits):
+# None sums all of K = 128 in the MMA, as DeepGEMM's fp8_paged_mqa_logits does (what vLLM runs).
+# Its error bound is 4x that of steps of 32 (2^-7 instead of 2^-9 of the logits of |q|, |w|, |k|),
+# still below what e4m3's rounding of q and k moves a logit; steps of 32 cost 22 % of the time at
+# batch 64 x 64K (H200, 2026-11-25: 0.159 ms vs 0.195; steps of 64 0.187), docs/notes/indexer.md.
+_ACC_STEP = None
+
 
 @triton.jit
 def paged_mqa_logits_kernel(
-    q_ptr, w_ptr, cache_ptr, scale_ptr, ctx_ptr, bt_ptr, out_ptr,
+    q_ptr, w_ptr, cache_ptr, scale_ptr, k_desc, s_desc, ctx_ptr, bt_ptr, out_ptr,
     stride_qb, stride_qn, stride_qh, stride_wr, stride_cb, stride_ctx_b, stride_ctx_n,
     stride_bt, stride_or,
     N, H, block_size, num_blocks, table_width, max_model_len, splits,
     NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_ROW_CTX: tl.constexpr, CLEAN: tl.constexpr, FP8_DOT: tl.constexpr, E4M3: tl.constexpr,
+    TMA: tl.constexpr, ACC_STEP: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1)
@@ -53,19 +68,29 @@ def paged_mqa_logits_kernel(
     n_work = tl.cdiv(end_max, BLOCK_N)
     for i_n in range(i_s, n_work, splits):
         o_p = i_n * BLOCK_N + o_n
-        i_pg = o_p // block_size
-        m_tab = (o_p < end_max) & (i_pg < table_width)
-        page = tl.load(bt_ptr + i_b * stride_bt + i_pg, mask=m_tab, other=-1).to(tl.int64)
-        # An invalid page holds no key: it is never read and its positions stay -inf.
-        m_k = m_tab & (page >= 0) & (page < num_blocks)
-        page = tl.where(m_k, page, 0)
-        o_off = o_p % block_size
-        p_k = cache_ptr + page[:, None] * stride_cb + o_off[:, None] * D + o_d[None, :]
-        b_k = tl.load(p_k, mask=m_k[:, None], other=0.0)
-        # scale_ptr is the cache as fp32 words: block stride / 4, scales after block_size * D bytes
-        b_sc = tl.load(scale_ptr + page * (stride_cb // 4) + block_size * (D // 4) + o_off,
-                       mask=m_k, other=0.0)
-        b_l = weighted_relu_logits(b_q, b_w, as_dot_operand(b_k, FP8_DOT, E4M3), b_sc, NP, HP, BLOCK_N)
+        if TMA:  # BLOCK_N == block_size: the tile is page i_n, fetched whole
+            page = tl.load(bt_ptr + i_b * stride_bt + i_n, mask=i_n < table_width, other=-1)
+            ok = (page >= 0) & (page < num_blocks)
+            # An invalid page holds no key: its coordinate is past the cache (TMA fills zeros).
+            i_page = tl.where(ok, page, num_blocks)
+            b_k = tl.reshape(k_desc.load([i_page, 0, 0]), (BLOCK_N, D))
+            b_sc = tl.reshape(s_desc.load([i_page, 0]), (BLOCK_N,))
+            m_k = (o_p < end_max) & ok
+        else:
+            i_pg = o_p // block_size
+            m_tab = (o_p < end_max) & (i_pg < table_width)
+            page = tl.load(bt_ptr + i_b * stride_bt + i_pg, mask=m_tab, other=-1).to(tl.int64)
+            # An invalid page holds no key: it is never read and its positions stay -inf.
+            m_k = m_tab & (page >= 0) & (page < num_blocks)
+            page = tl.where(m_k, page, 0)
+            o_off = o_p % block_size
+            p_k = cache_ptr + page[:, None] * stride_cb + o_off[:, None] * D + o_d[None, :]
+            b_k = tl.load(p_k, mask=m_k[:, None], other=0.0)
+            # scale_ptr is the cache as fp32 words: block stride / 4, scales after block_size * D bytes
+            b_sc = tl.load(scale_ptr + page * (stride_cb // 4) + block_size * (D // 4) + o_off,
+                           mask=m_k, other=0.0)
+        b_l = weighted_relu_logits(b_q, b_w, as_dot_operand(b_k, FP8_DOT, E4M3), b_sc, NP, HP, BLOCK_N,
+                                   ACC_STEP)
         m_vis = (o_p[None, :] < b_end[:, None]) & m_k[None, :]
         b_out = tl.where(m_vis, b_l, float("-inf"))
         tl.store(p_out + o_p[None, :], b_out, mask=m_j[:, None] & (o_p[None, :] < max_model_len))
@@ -76,9 +101,31 @@ def paged_mqa_logits_kernel(
             tl.store(p_out + o_p[None, :], b_inf, mask=m_j[:, None] & (o_p[None, :] < max_model_len))
 
 
-def _splits(device, batch: int, tiles: int) -> int:
-    """Programs per request: about two waves of the GPU over the whole batch, at most one per tile."""
-    return max(1, min(tiles, triton.cdiv(2 * num_sms(device), max(batch, 1))))
+def _splits(device, batch: int, tiles: int, waves: int) -> int:
+    """Programs per request: about `waves` waves of the GPU over the whole batch, at most one per
+    tile."""
+    return max(1, min(tiles, triton.cdiv(waves * num_sms(device), max(batch, 1))))
+
+
+def _tma_ok(arch, fp8: bool, cache: torch.Tensor) -> bool:
+    """Pages can be TMA tiles: sm_90+ with the fp8 dot, a page of 16..256 keys (a power of two: a
+    tile and a TMA box), 16-byte aligned page blocks (TMA's base and stride rule; the scales then
+    start 16-byte aligned too, after block_size x 128 bytes)."""
+    bs = cache.shape[1]
+    return (fp8 and arch.backend == "cuda" and arch.arch >= 90 and 16 <= bs <= 256
+            and bs & (bs - 1) == 0 and cache.data_ptr() % 16 == 0 and cache.stride(0) % 16 == 0)
+
+
+def _page_descriptors(cache: torch.Tensor, D: int):
+    """TMA descriptors of the cache's keys [num_blocks, block_size, D] (e4m3fn) and scales
+    [num_blocks, block_size] (fp32, the words after each page's keys), one page a box."""
+    nb, bs, _ = cache.shape
+    k_desc = TensorDescriptor(cache.view(torch.float8_e4m3fn), [nb, bs, D], [cache.stride(0), D, 1],
+                              [1, bs, D])
+    words = cache.view(torch.float32)  # the descriptor takes its base address and dtype only
+    scales = torch.as_strided(words, (1,), (1,), words.storage_offset() + bs * D // 4)
+    s_desc = TensorDescriptor(scales, [nb, bs], [cache.stride(0) // 4, 1], [1, bs])
+    return k_desc, s_desc
 
 
 def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
@@ -103,7 +150,8 @@ def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
             and past each request's longest row end unwritten (False, DeepGEMM's clean_logits=False:
             the top-k reads only [0, row_end)).
         out: optional [B * next_n, max_model_len] fp32 with a contiguous last dim.
-        block_n: keys per tile (a power of two >= 16).
+        block_n: keys per tile of the pointer path (a power of two >= 16); the TMA path's tile
+            is a page.
 
     Returns logits [B * next_n, max_model_len] fp32 (see kernels/reference/indexer.py).
     """
@@ -139,20 +187,28 @@ def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
     if B == 0 or max_model_len == 0:
         return out
     arch = arch_of(q.device)
+    fp8 = fp8_dot(arch)
+    tma = _tma_ok(arch, fp8, cache)
+    if tma:  # H200, 2026-11-25 (docs/notes/indexer.md): 3 stages, 4 waves for up to 8 rows; 6, 16 from 64
+        block_n, (stages, waves) = cache.shape[1], ((6, 16) if B * N >= 32 else (3, 4))
+        k_desc, s_desc = _page_descriptors(cache, D)
+    else:
+        waves, stages = 2, 2
+        k_desc = s_desc = None
     tiles = triton.cdiv(max_model_len, block_n)
-    splits = _splits(q.device, B, tiles)
+    splits = _splits(q.device, B, tiles, waves)
     ctx_b = context_lens.stride(0)
     ctx_n = context_lens.stride(1) if per_row else 0
     HP = triton.next_power_of_2(H)
     NP = max(triton.next_power_of_2(N), 16 // min(HP, 16))  # a dot needs >= 16 rows
-    fp8 = fp8_dot(arch)
     paged_mqa_logits_kernel[(B, splits)](
         operand_view(q, fp8), weights, operand_view(cache, fp8), cache.view(torch.float32),
-        context_lens, block_table, out,
+        k_desc, s_desc, context_lens, block_table, out,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), cache.stride(0), ctx_b, ctx_n,
         block_table.stride(0), out.stride(0),
         N, H, cache.shape[1], cache.shape[0], block_table.shape[1], max_model_len, splits,
         NP=NP, HP=HP, D=D, BLOCK_N=block_n, PER_ROW_CTX=per_row, CLEAN=clean_logits,
-        FP8_DOT=fp8, E4M3=arch.e4m3, num_warps=4,
+        FP8_DOT=fp8, E4M3=arch.e4m3, TMA=tma, ACC_STEP=_ACC_STEP, num_warps=4,
+        num_stages=stages,
     )
     return out
