@@ -107,6 +107,19 @@ def _splits(device, batch: int, tiles: int, waves: int) -> int:
     return max(1, min(tiles, triton.cdiv(waves * num_sms(device), max(batch, 1))))
 
 
+def _tma_config(batch: int, next_n: int):
+    """(num_stages, waves) of the TMA path: the best of 3 / 4 / 6 stages x 2 / 4 / 8 / 16 waves
+    measured on the H200 (2026-11-25, docs/notes/indexer.md) for the batch's query rows; batch 64
+    with one row a request wants many small programs, two rows a request (a dot twice as wide)
+    fewer."""
+    rows = batch * next_n
+    if rows < 16:
+        return 3, 4
+    if rows >= 64 and next_n == 1:
+        return 6, 16
+    return 3, 8
+
+
 def _tma_ok(arch, fp8: bool, cache: torch.Tensor) -> bool:
     """Pages can be TMA tiles: sm_90+ with the fp8 dot, a page of 16..256 keys (a power of two: a
     tile and a TMA box), 16-byte aligned page blocks (TMA's base and stride rule; the scales then
@@ -189,8 +202,8 @@ def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
     arch = arch_of(q.device)
     fp8 = fp8_dot(arch)
     tma = _tma_ok(arch, fp8, cache)
-    if tma:  # H200, 2026-11-25 (docs/notes/indexer.md): 3 stages, 4 waves for up to 8 rows; 6, 16 from 64
-        block_n, (stages, waves) = cache.shape[1], ((6, 16) if B * N >= 32 else (3, 4))
+    if tma:
+        block_n, (stages, waves) = cache.shape[1], _tma_config(B, N)
         k_desc, s_desc = _page_descriptors(cache, D)
     else:
         waves, stages = 2, 2

@@ -11,14 +11,9 @@ from openmla.kernels.reference import (indexer_q_quant_ref, indexer_topk_ref, mq
                                        paged_mqa_logits_ref, topk_per_row_ref)
 from openmla.quant.indexer_cache import INDEXER_K_FP8, write_indexer_k_cache
 from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, INT32_MIN
+from tests.helpers.indexer import FP8_MMA_REL, FP8_MMA_REL_FULL_K, abs_index_cache
 
 D = 128
-# The fp8 MMA's accumulation error relative to sum_h |w_h| sum_d |q_hd k_d| * scale
-# (kernels/indexer/_tile.py): 2^-9 with fp32 adds every 32 of K (mqa_logits), 2^-7 over the
-# whole K = 128 (paged_mqa_logits, as DeepGEMM); exact fp32 paths (the interpreter, fp16 dots)
-# are far inside both.
-FP8_MMA_REL = 2.0 ** -9
-FP8_MMA_REL_FULL_K = 2.0 ** -7
 
 
 def assert_logits(name, got, want, bound, rel=FP8_MMA_REL):
@@ -36,15 +31,9 @@ def assert_logits(name, got, want, bound, rel=FP8_MMA_REL):
                                       f"{rel:.3g} of their bound; worst err {err[worst]:.3g} vs {lim[worst]:.3g}")
 
 
-def _abs_cache(cache):
-    """A copy of an indexer cache holding |k| (every value's sign bit cleared; NaN stays NaN)."""
-    c = cache.clone()
-    INDEXER_K_FP8.read_ref(c)[0].bitwise_and_(0x7F)
-    return c
-
-
 def _paged_bound(q, w, cache, cl, table, max_len):
-    return paged_mqa_logits_ref(q.float().abs(), w.abs(), _abs_cache(cache), cl, table, max_model_len=max_len)
+    return paged_mqa_logits_ref(q.float().abs(), w.abs(), abs_index_cache(cache, INDEXER_K_FP8), cl, table,
+                                max_model_len=max_len)
 
 
 def _q_w(rows, H, seed):
