@@ -10,7 +10,7 @@ On sm_90+ a tile is one page, fetched by TMA (two tensor descriptors over the ca
 block_size x 128 key bytes and its block_size fp32 scales), when the page size and the cache's
 alignment allow it (`_tma_ok`); elsewhere a tile of block_n keys is gathered with pointer loads.
 H200, 2026-11-25, batch 64 x 64K context (553 MB of cache): pointer tiles 0.369 ms, TMA pages
-0.190 ms (docs/notes/indexer.md).
+0.153 ms, 86 % of the copy bandwidth (docs/notes/indexer.md).
 Semantics: kernels/reference/indexer.py (paged_mqa_logits_ref).
 """
 from __future__ import annotations
