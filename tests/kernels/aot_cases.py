@@ -229,6 +229,9 @@ def indexer_cases():
     logits = torch.zeros(4, 4096)
     yield "topk_per_row", lambda: topk_per_row(logits, _ints(4, hi=4096), 2048, starts=_ints(4))
     yield "decode_topk", lambda: decode_topk(logits, _ints(2, hi=4096), 2, 2048)
+    # rows split over programs: the histogram passes (atomics), count and write kernels
+    yield "decode_topk-split", lambda: decode_topk(torch.zeros(2, 16384), _ints(2, hi=16384), 1, 2048,
+                                                   row_programs=4)
 
 # The default set. CORE runs on every target: the code that differs between GPUs (each e4m3
 # path: decode, encode, fp8 and int8 caches; Gluon or Triton on sm_90; the configs with the most
@@ -245,7 +248,7 @@ CORE = (
     "paged-gqa4-d128-decode-bfloat16-int8_qkv",
     "write_kv_cache-bfloat16-fp8", "write_kv_cache-float16-int8_qk",
     "int8-per-token-head", "int8-per-channel", "merge-bfloat16", "index-workspace",
-    "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row",
+    "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row", "decode_topk-split",
 )
 EXTRA = (
     "prefill-H32",  # sm_90: the keys-on-M kernel with token flags and their passes (kv_row_faults, token_faults)
