@@ -28,6 +28,11 @@ def _prune(configs, named_args, **constexprs):
     return kept or [triton.Config({"BLOCK_M": 16 // constexprs["HP"], "BLOCK_N": 64}, num_warps=4)]
 
 
+# K of the fp8 MMA steps summed at reduced precision before an fp32 add (weighted_relu_logits):
+# None sums all of K = 128 in the MMA, as DeepGEMM's fp8_mqa_logits does (H200, 2026-11-25: a
+# 16K-token prompt's logits 3.92 ms with steps of 32, 3.17 without; docs/notes/indexer.md).
+_ACC_STEP = None
+
 # Candidates, the untimed default first (BLOCK_M * 64 heads = 128 dot rows, 64 keys a tile).
 # Not measured yet on a GPU: the first launch of a class times them all (kernels/configs.py).
 MQA_LOGITS_CONFIGS = ConfigSpace(
@@ -47,7 +52,7 @@ def mqa_logits_kernel(
     stride_qt, stride_qh, stride_wr, stride_kn, stride_or,
     T, H, S,
     HP: tl.constexpr, D: tl.constexpr, CLEAN: tl.constexpr, FP8_DOT: tl.constexpr,
-    E4M3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    E4M3: tl.constexpr, ACC_STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -77,7 +82,7 @@ def mqa_logits_kernel(
                       mask=m_k[:, None], other=0.0)
         b_sc = tl.load(ks_scale_ptr + o_p, mask=m_k, other=0.0)
         b_l = weighted_relu_logits(b_q, b_w, as_dot_operand(b_k, FP8_DOT, E4M3), b_sc,
-                                   BLOCK_M, HP, BLOCK_N)
+                                   BLOCK_M, HP, BLOCK_N, ACC_STEP)
         m_vis = (o_p[None, :] >= b_ks[:, None]) & (o_p[None, :] < b_ke[:, None])
         tl.store(p_out + o_p[None, :], tl.where(m_vis, b_l, float("-inf")),
                  mask=m_out & (o_p[None, :] < S))
@@ -142,5 +147,6 @@ def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale:
         q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0),
         T, H, S,
         HP=triton.next_power_of_2(H), D=D, CLEAN=clean_logits, FP8_DOT=fp8, E4M3=arch.e4m3,
+        ACC_STEP=_ACC_STEP,
     )
     return out

@@ -11,7 +11,7 @@ from openmla.kernels.reference import (indexer_q_quant_ref, indexer_topk_ref, mq
                                        paged_mqa_logits_ref, topk_per_row_ref)
 from openmla.quant.indexer_cache import INDEXER_K_FP8, write_indexer_k_cache
 from tests.helpers import DEVICE, GPU_ONLY, INT32_MAX, INT32_MIN
-from tests.helpers.indexer import FP8_MMA_REL, FP8_MMA_REL_FULL_K, abs_index_cache
+from tests.helpers.indexer import FP8_MMA_REL, abs_index_cache
 
 D = 128
 
@@ -100,10 +100,10 @@ def test_paged_logits(ctx, next_n, H, bs, per_row, clean):
     got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=max_len, clean_logits=clean, block_n=16)
     bound = _paged_bound(q, w, cache, cl, table, max_len)
     if clean:
-        assert_logits("logits", got, want, bound, rel=FP8_MMA_REL_FULL_K)
+        assert_logits("logits", got, want, bound)
     else:  # only what a row can see is promised
         vis = torch.isfinite(want)
-        assert_logits("visible logits", got[vis], want[vis], bound[vis], rel=FP8_MMA_REL_FULL_K)
+        assert_logits("visible logits", got[vis], want[vis], bound[vis])
 
 
 def test_paged_logits_invalid_pages_and_table_width():
@@ -115,7 +115,7 @@ def test_paged_logits_invalid_pages_and_table_width():
     cl = torch.tensor([40, 45], dtype=torch.int32, device=DEVICE)  # request 1 past its table
     want = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=64)
     got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=64, block_n=16)
-    assert_logits("logits", got, want, _paged_bound(q, w, cache, cl, table, 64), rel=FP8_MMA_REL_FULL_K)
+    assert_logits("logits", got, want, _paged_bound(q, w, cache, cl, table, 64))
     assert torch.isinf(got[0, :8]).all() and torch.isinf(got[1, 8:16]).all() and torch.isinf(got[1, 40:]).all()
     assert torch.isfinite(got[0, 8:16]).all()
 
@@ -131,7 +131,7 @@ def test_paged_logits_faults_stay_visible():
     cl = torch.tensor([30, 30], dtype=torch.int32, device=DEVICE)
     want = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=32)
     got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=32, block_n=16)
-    assert_logits("logits", got, want, _paged_bound(q, w, cache, cl, table, 32), rel=FP8_MMA_REL_FULL_K)
+    assert_logits("logits", got, want, _paged_bound(q, w, cache, cl, table, 32))
     assert torch.isnan(got[0]).nonzero().flatten().tolist() == [19]
     assert torch.isnan(got[1, :30]).all() and torch.isinf(got[1, 30:]).all()
 
@@ -155,7 +155,7 @@ def test_logits_gpu_paths(arch):
     with assume(ARCHES[arch]):
         got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=40, block_n=16)
         got_r = mqa_logits(qr, wr, k8, ksc.contiguous(), ks, ke)
-    assert_logits("paged logits", got, want, _paged_bound(q, w, cache, cl, table, 40), rel=FP8_MMA_REL_FULL_K)
+    assert_logits("paged logits", got, want, _paged_bound(q, w, cache, cl, table, 40))
     bound_r = mqa_logits_ref(qr.float().abs(), wr.abs(), k8.float().abs(), ksc, ks, ke)
     assert_logits("ragged logits", got_r, want_r, bound_r)
 
@@ -178,14 +178,14 @@ def test_paged_logits_tma_pages(ctx, next_n, H, bs, per_row):
     assert _tma_ok(ARCHES["sm_90"], True, cache)
     with assume(ARCHES["sm_90"]):
         got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=max_len)
-    assert_logits("logits", got, want, bound, rel=FP8_MMA_REL_FULL_K)
+    assert_logits("logits", got, want, bound)
     assert torch.isnan(got[:next_n, 2]).all()
     padded = _paged_cache(cache.shape[0], bs, seed=1, pad_bytes=4)
     padded.copy_(cache)
     assert not _tma_ok(ARCHES["sm_90"], True, padded)
     with assume(ARCHES["sm_90"]):
         got = paged_mqa_logits(q, w, padded, cl, table, max_model_len=max_len)
-    assert_logits("logits (pointer path)", got, want, bound, rel=FP8_MMA_REL_FULL_K)
+    assert_logits("logits (pointer path)", got, want, bound)
 
 
 RAGGED = [  # (ks, ke, S)
@@ -403,7 +403,7 @@ def test_paged_logits_topk_gpu(B, ctx, next_n):
     cl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     want = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=ctx)
     got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=ctx)
-    assert_logits("logits", got, want, _paged_bound(q, w, cache, cl, table, ctx), rel=FP8_MMA_REL_FULL_K)
+    assert_logits("logits", got, want, _paged_bound(q, w, cache, cl, table, ctx))
     idx = decode_topk(got, cl, next_n, 2048)
     ends = (cl[:, None] - next_n + 1 + torch.arange(next_n, device=DEVICE)[None, :]).reshape(-1).int()
     _check_topk(idx.cpu(), got.cpu(), ends.cpu(), 2048)

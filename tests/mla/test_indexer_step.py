@@ -23,7 +23,8 @@ from openmla.mla.sparse.indexer_step import (
 )
 from openmla.quant.indexer_cache import INDEXER_K_FP8, INDEXER_K_FP8_RAW, write_indexer_k_cache
 from tests.helpers import DEVICE, assert_close, random_paged_cache, shuffled_block_table
-from tests.helpers.indexer import D_INDEX, IndexInputs, assert_same_selection, oracle_selection
+from tests.helpers.indexer import (D_INDEX, IndexInputs, abs_index_cache, assert_same_selection,
+                                  oracle_selection)
 from tests.helpers.sparse import MIXED_BATCH, SCALE, V_DIM, Step, kv_b_proj_fp8, reference_weight
 
 
@@ -33,10 +34,12 @@ def index_inputs(step, heads, fmt, seed):
 
 
 def reference_selection(step, idx, topk, threshold):
-    """Per token: (positions selected by the oracles, logits of its visible positions) the
-    request-wise way (module docstring); padding tokens select nothing."""
+    """Per token: (positions selected by the oracles, (logits of its visible positions, their
+    logits of |q|, |w|, |k|)) the request-wise way (module docstring); padding tokens select
+    nothing."""
     bs = step.cache.shape[1]
     values, scales = idx.fmt.read_ref(idx.cache)
+    abs_cache = abs_index_cache(idx.cache, idx.fmt)
     bt = step.block_table
     sel = torch.full((step.T, topk), -1, dtype=torch.int32)
     logits_of = [None] * step.T
@@ -46,6 +49,8 @@ def reference_selection(step, idx, topk, threshold):
         if n <= threshold:  # a decode: n rows of the paged form, seq_len as the context length
             lg = paged_mqa_logits_ref(q.unsqueeze(0), w, idx.cache, step.seq_lens[r:r + 1],
                                       bt[r:r + 1], max_model_len=s, fmt=idx.fmt)
+            bound = paged_mqa_logits_ref(q.float().abs().unsqueeze(0), w.abs(), abs_cache,
+                                         step.seq_lens[r:r + 1], bt[r:r + 1], max_model_len=s, fmt=idx.fmt)
             ends = torch.arange(c + 1, s + 1)
             got = topk_per_row_ref(lg, ends.to(lg.device), topk)
         else:  # a prefill: its keys gathered, row i sees [0, c + i + 1)
@@ -56,10 +61,12 @@ def reference_selection(step, idx, topk, threshold):
             ks = torch.zeros(n, dtype=torch.int32)
             ke = torch.arange(c + 1, s + 1, dtype=torch.int32)
             lg = mqa_logits_ref(q, w, k, ksc, ks.to(q.device), ke.to(q.device))
+            bound = mqa_logits_ref(q.float().abs(), w.abs(), k.float().abs(), ksc, ks.to(q.device),
+                                   ke.to(q.device))
             got = topk_per_row_ref(lg, ke.to(lg.device), topk, starts=ks.to(lg.device))
         sel[t:t + n] = got.cpu()
         for i in range(n):
-            logits_of[t + i] = lg[i, :c + i + 1].cpu()
+            logits_of[t + i] = (lg[i, :c + i + 1].cpu(), bound[i, :c + i + 1].cpu())
         t += n
     return sel, logits_of
 
