@@ -292,7 +292,7 @@ def test_topk_split_rows_equal_one_program(k):
     ends = torch.tensor([3000, 2990, 2999, 2000, 3000, 1200], dtype=torch.int32, device=DEVICE)
     one = topk_per_row(x, ends, k, starts=starts, block=256, row_programs=1)
     _check_topk(one, x, ends, k, starts)
-    for P in (2, 3, 7, 16):
+    for P in (3, 16):  # parts of 1024 columns; of 256, four of them empty
         got = topk_per_row(x, ends, k, starts=starts, block=256, row_programs=P)
         assert torch.equal(got, one), P
 
