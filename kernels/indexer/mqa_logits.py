@@ -29,8 +29,8 @@ def _prune(configs, named_args, **constexprs):
 
 
 # K of the fp8 MMA steps summed at reduced precision before an fp32 add (weighted_relu_logits):
-# None sums all of K = 128 in the MMA, as DeepGEMM's fp8_mqa_logits does (H200, 2026-11-25: a
-# 16K-token prompt's logits 3.92 ms with steps of 32, 3.17 without; docs/notes/indexer.md).
+# None sums all of K = 128 in the MMA, as DeepGEMM's fp8_mqa_logits does (why, and what steps of
+# 32 cost: docs/notes/indexer.md).
 _ACC_STEP = None
 
 # Candidates, the untimed default first (BLOCK_M * 64 heads = 128 dot rows, 64 keys a tile).

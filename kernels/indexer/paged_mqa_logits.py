@@ -8,9 +8,8 @@ CUDA-graph capturable); the grid depends on the batch size and max_model_len onl
 
 On sm_90+ a tile is one page, fetched by TMA (two tensor descriptors over the cache: the page's
 block_size x 128 key bytes and its block_size fp32 scales), when the page size and the cache's
-alignment allow it (`_tma_ok`); elsewhere a tile of block_n keys is gathered with pointer loads.
-H200, 2026-11-25, batch 64 x 64K context (553 MB of cache): pointer tiles 0.369 ms, TMA pages
-0.153 ms, 86 % of the copy bandwidth (docs/notes/indexer.md).
+alignment allow it (`_tma_ok`); elsewhere a tile of block_n keys is gathered with pointer loads
+(the two compared: docs/notes/indexer.md).
 Semantics: kernels/reference/indexer.py (paged_mqa_logits_ref).
 """
 from __future__ import annotations
@@ -31,8 +30,7 @@ __all__ = ["paged_mqa_logits"]
 # K of the fp8 MMA steps summed at reduced precision before an fp32 add (weighted_relu_logits):
 # None sums all of K = 128 in the MMA, as DeepGEMM's fp8_paged_mqa_logits does (what vLLM runs).
 # Its error bound is 4x that of steps of 32 (2^-7 instead of 2^-9 of the logits of |q|, |w|, |k|),
-# still below what e4m3's rounding of q and k moves a logit; steps of 32 cost 22 % of the time at
-# batch 64 x 64K (H200, 2026-11-25: 0.159 ms vs 0.195; steps of 64 0.187), docs/notes/indexer.md.
+# still below what e4m3's rounding of q and k moves a logit (measurements: docs/notes/indexer.md).
 _ACC_STEP = None
 
 
@@ -108,10 +106,9 @@ def _splits(device, batch: int, tiles: int, waves: int) -> int:
 
 
 def _tma_config(batch: int, next_n: int):
-    """(num_stages, waves) of the TMA path: the best of 3 / 4 / 6 stages x 2 / 4 / 8 / 16 waves
-    measured on the H200 (2026-11-25, docs/notes/indexer.md) for the batch's query rows; batch 64
-    with one row a request wants many small programs, two rows a request (a dot twice as wide)
-    fewer."""
+    """(num_stages, waves) of the TMA path by the batch's query rows: the best of a sweep of
+    3 / 4 / 6 stages x 2 / 4 / 8 / 16 waves (docs/notes/indexer.md); batch 64 with one row a
+    request wants many small programs, two rows a request (a dot twice as wide) fewer."""
     rows = batch * next_n
     if rows < 16:
         return 3, 4

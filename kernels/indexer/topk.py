@@ -34,8 +34,7 @@ __all__ = ["topk_per_row", "decode_topk"]
 _BINS = 256  # 8-bit digits, four passes over the 32-bit keys
 _PASSES = 4
 # Programs per row for the split path: about this many programs per SM over the whole batch
-# (H200, 2026-11-25: a histogram pass over 64 rows x 64K columns took 24.5 / 18.8 / 17.9 us at
-# 4 / 16 / 64 programs a row, 69.6 us at one).
+# (a sweep of 1 / 4 / 16 / 64 programs a row: docs/notes/indexer.md).
 _PROGRAMS_PER_SM = 8
 _SPLIT_BLOCK = 1024
 _SPLIT_MIN_COLUMNS = 8192
@@ -275,9 +274,8 @@ def _check_k(k) -> int:
 
 
 def _row_programs(device, R: int, L: int) -> int:
-    """Programs per row: one when the rows fill the GPU or are short (H200, 2026-11-25: rows of
-    4K columns, batch 1: one program 16 us, split over 4 24 us, the launches' latency), else
-    enough parts of whole blocks to fill it."""
+    """Programs per row: one when the rows fill the GPU or are short (below _SPLIT_MIN_COLUMNS
+    the launches' latency outweighs the split), else enough parts of whole blocks to fill it."""
     if L < _SPLIT_MIN_COLUMNS:
         return 1
     return max(1, min(triton.cdiv(L, _SPLIT_BLOCK), triton.cdiv(_PROGRAMS_PER_SM * num_sms(device), R)))
