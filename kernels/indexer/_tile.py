@@ -61,7 +61,7 @@ def load_query_block(q_ptr, w_ptr, o_row, m_row, stride_qr, stride_qh, stride_wr
 
 @triton.jit
 def weighted_relu_logits(b_q, b_w, b_k, b_scale, QR: tl.constexpr, HP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, ACC_STEP: tl.constexpr = 32):
+                         BLOCK_N: tl.constexpr, ACC_STEP: tl.constexpr):
     """logit[r, n] = scale[n] * sum_h w[r, h] * relu(q[r, h] . k[n]) for one tile.
 
     b_q [QR * HP, D], b_k [BLOCK_N, D] dot operands; b_w [QR * HP] fp32; b_scale [BLOCK_N] fp32.
@@ -72,8 +72,8 @@ def weighted_relu_logits(b_q, b_w, b_k, b_scale, QR: tl.constexpr, HP: tl.conste
     accumulator's columns, which an MMA layout keeps inside a warp (shuffles), where a sum over
     its rows would cross warps through shared memory every tile."""
     # [BLOCK_N, QR * HP] in fp32. sm_90's fp8 MMA keeps its running sum at reduced precision
-    # (about 14 mantissa bits); by default (ACC_STEP None) Triton lets it run over the whole
-    # K = 128, as DeepGEMM's logits kernels do. ACC_STEP = 32 adds each 32-deep MMA step into an
+    # (about 14 mantissa bits); with ACC_STEP None Triton lets it run over the whole K = 128,
+    # as DeepGEMM's logits kernels do (both callers). ACC_STEP = 32 adds each 32-deep MMA step into an
     # fp32 accumulator instead (3 FADDs per accumulator register a tile), so a logit is off by at
     # most about 2^-9 of sum_h |w_h| sum_d |q_hd k_d| * scale, where the whole K allows 4x that.
     # (0 would drop wgmma for mma.sync.) Other dot types ignore it.
