@@ -203,6 +203,7 @@ def _rank_main(rank: int, world: int, args, port) -> None:
         if rank == 0 and args.out:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
+        dist.barrier()  # no rank tears its connections down while another still writes
     finally:
         dist.destroy_process_group()
 

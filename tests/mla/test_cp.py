@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from openmla.kernels.index import convert_req_index_to_global
 from openmla.kernels.reference import merge_attn_states_ref
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.mla import PagedAttentionImpl, SparseMLAImpl, build_attention_plan
 from openmla.mla.cp import ContextParallel
+from tests.helpers.dist import leave_rank, spawn_ranks
 from tests.helpers import DEVICE, INT32_MAX, INT32_MIN, assert_close, nan_filled
 
 BS = 4
@@ -394,15 +393,14 @@ def _worker(rank, n, port, path, names):
         res = {name: {k: v.cpu() for k, v in CASES[name][0](rank, n, *CASES[name][2]).items()}
                for name in names}
         torch.save(res, os.path.join(path, f"rank{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def _run(n, names, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(n, port, str(tmp_path), names), nprocs=n)
+    spawn_ranks(_worker, n, str(tmp_path), names)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
 
 

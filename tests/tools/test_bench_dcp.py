@@ -4,12 +4,12 @@ holding every token) is meaningful here; timings are not. Both layer kinds run t
 rank entry point (what torchrun and --nproc call) and rank 0 writes the JSON rows."""
 import json
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.helpers.dist import leave_rank, spawn_ranks
 
 
 def _rank(rank, n, port, out):
@@ -19,16 +19,14 @@ def _rank(rank, n, port, out):
     args = SimpleNamespace(layer=["mha", "sparse"], batch=2, context=40, heads=2, topk=12,
                            interleave=2, iters=1, out=out)
     bench_dcp._rank_main(rank, n, args, port)
+    leave_rank()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine tools/bench_dcp.py runs NCCL with one "
                     "GPU a rank (run it by hand: --nproc N); this test is its CPU path (gloo, interpreter)")
 def test_bench_dcp_two_ranks(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "dcp.json"
-    mp.spawn(_rank, args=(2, port, str(out)), nprocs=2)
+    spawn_ranks(_rank, 2, str(out))
     rows = json.loads(out.read_text())
     assert [r["layer"] for r in rows] == ["mha", "sparse"]
     for r in rows:

