@@ -1,22 +1,31 @@
 """topk_per_row / decode_topk: the k best columns of each indexer logits row, in Triton (vLLM's
 top_k_per_row_prefill / top_k_per_row_decode contract; no torch.topk in the run path).
 
-A row of at most k columns lists them all. A longer row is a radix select over the fp32 logits
-mapped to order-preserving uint32 keys (NaN mapped above +inf): up to four passes of an 8-bit
-histogram narrow the key of the k-th largest logit down to a prefix inside which every key is
-wanted, or to the exact key and how many of its ties are still to take; a last pass writes every
-column above it and the first ones inside it, in column order.
+A row of at most k columns lists them all. A longer row (n columns) is selected in four stages
+over the fp32 logits and their order-preserving uint32 keys (NaN above +inf):
+  1. a lower bound t of the k-th key: the smallest maximum over groups of g columns, g the
+     largest power of two <= n // k (and 32), so that at least n / g >= k keys are >= t; and
+     the largest / smallest finite logit;
+  2. one histogram of the keys >= t over 256 buckets linear in the logit between t (or the
+     smallest finite logit when t is -inf) and the largest finite one; NaN and +inf in the top
+     bucket. The bucket is a non-decreasing function of the key, so every key in a bucket above
+     the k-th key's is wanted, none below it;
+  3. the keys of the buckets above go to the output in column order; the k-th key's bucket goes
+     whole to the output when all its keys are wanted, else to a candidate list (column order),
+     or nowhere when it holds more than _CANDIDATES keys;
+  4. an 8-bit radix select over the bucket's 32-bit keys (from the list, or from the row when it
+     did not fit) writes those above the k-th key and the first of its ties in column order.
+With the bound from stage 1 the bucket of the k-th key holds a few dozen keys for the rows the
+indexer gives, so stages 2-4 are one histogram pass and one write pass over the row.
 
-Two ways to run it, one result:
-  * one program a row (topk_per_row_kernel), when the rows alone fill the GPU (prefill chunks):
-    the passes run inside the program, each reading the row once (from L2 after the first);
-  * a row split over P programs (decode, where a batch has few rows): one launch per pass, each
-    program adding its part's histogram into the row's (global atomics, 256 a program), every
-    program narrowing the state the kernel before it stored by that kernel's histogram (one
-    256-bin scan; program 0 stores the result for the next); then a launch counting each part's
-    keys above / inside the final prefix, and one writing them, each part at the offsets the
-    counts of the parts before it give (column order, as one program would).
-    Passes after the narrowing is done exit at once; no host read anywhere (CUDA-graph safe).
+Two ways to run it, one result (slot for slot):
+  * one program a row (topk_per_row_kernel), when the rows alone fill the GPU (prefill chunks)
+    or are short: the stages in sequence inside the program;
+  * a row split over P programs (decode, where a batch has few rows): a launch per stage, parts
+    of whole blocks; stage 1 stores each part's bound and range, stage 2 adds each part's
+    histogram into the row's (atomics) and stores its suffix sums, stage 3 places each part's
+    keys at the offsets the parts before it give, stage 4 runs one program a row. No host read
+    anywhere (CUDA-graph safe).
 Semantics: kernels/reference/indexer.py (topk_per_row_ref); selected sets equal the oracle's up
 to the choice among ties; the order within a row is not sorted by logit.
 """
@@ -31,10 +40,11 @@ from openmla.quant.validate import check_same_device, check_tensor, fail
 
 __all__ = ["topk_per_row", "decode_topk"]
 
-_BINS = 256  # 8-bit digits, four passes over the 32-bit keys
-_PASSES = 4
-# Programs per row for the split path: about this many programs per SM over the whole batch
-# (a sweep of 1 / 4 / 16 / 64 programs a row: docs/notes/indexer.md).
+# Buckets of the one histogram over a whole row (linear in the logit over the row's range)
+_BUCKETS = 256
+# The K-th key's bucket is listed for the last stage when it holds at most this many keys, else
+# that stage reads the row again (correct for any row; slower for rows of many equal keys).
+_CANDIDATES = 2048
 _PROGRAMS_PER_SM = 8
 _SPLIT_BLOCK = 1024
 _SPLIT_MIN_COLUMNS = 8192
@@ -66,13 +76,103 @@ def _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n,
 
 
 @triton.jit
+def _key_value(key):
+    """The fp32 of an order key (_order_key's inverse; the NaN key gives a NaN)."""
+    u = tl.where(key >= 0x80000000, key ^ 0x80000000, key ^ 0xFFFFFFFF)
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_log(n, K, BLOCK: tl.constexpr):
+    """log2 of the group size g for the lower bound: the largest power of two <= n // K, 32 and
+    BLOCK, so that a row of n > K columns has at least n / g >= K groups."""
+    q = n // K
+    lg = tl.zeros([], tl.int32)
+    for j in tl.static_range(1, 6):
+        if (1 << j) <= BLOCK:
+            lg += (q >= (1 << j)).to(tl.int32)
+    return lg
+
+
+@triton.jit
+def _part_stats(p_row, lo, hi, lg, BLOCK: tl.constexpr):
+    """Over columns [lo, hi): the smallest maximum of the groups of 2^lg columns (each block cut
+    into groups; a group holding no column of [lo, hi) does not count), and the largest and
+    smallest key of a finite logit (0 and 0xFFFFFFFF when there is none)."""
+    o_b = tl.arange(0, BLOCK)
+    t = tl.full([], 0xFFFFFFFF, tl.uint32)
+    k_max = tl.zeros([], tl.uint32)
+    k_min = tl.full([], 0xFFFFFFFF, tl.uint32)
+    for c0 in range(lo, hi, BLOCK):
+        o_c = c0 + o_b
+        m_c = o_c < hi
+        key = tl.where(m_c, _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0)), 0)  # 0: no column
+        fin = m_c & (key > 0x007FFFFF) & (key < 0xFF800000)
+        k_max = tl.maximum(k_max, tl.max(tl.where(fin, key, 0), axis=0))
+        k_min = tl.minimum(k_min, tl.min(tl.where(fin, key, 0xFFFFFFFF), axis=0))
+        if lg == 0:
+            t = tl.minimum(t, tl.min(tl.where(m_c, key, 0xFFFFFFFF), axis=0))
+        for j in tl.static_range(1, 6):
+            if (1 << j) <= BLOCK:
+                if lg == j:
+                    gmax = tl.max(tl.reshape(key, [BLOCK >> j, 1 << j]), axis=1)
+                    t = tl.minimum(t, tl.min(tl.where(gmax == 0, 0xFFFFFFFF, gmax), axis=0))
+    return t, k_max, k_min
+
+
+@triton.jit
+def _bucket_range(t, k_max, k_min, NBINS: tl.constexpr):
+    """The buckets' origin and scale: linear in the logit over [lo, the largest finite logit],
+    lo the lower bound t or, when t is -inf, the smallest finite logit."""
+    k_lo = tl.where(t > 0x007FFFFF, t, k_min)
+    lo = _key_value(k_lo)
+    hi = _key_value(k_max)
+    ok = (k_max != 0) & (k_lo < 0xFF800000) & (hi > lo)
+    # finite, so that (x - lo) * scale is never NaN (0 * inf); a range below 2^-100 is one bucket
+    scale = tl.where(ok, NBINS / tl.maximum(tl.where(ok, hi - lo, 1.0), 7.9e-31), 0.0)
+    return lo, scale
+
+
+@triton.jit
+def _bucket(key, x, k_max, lo, scale, NBINS: tl.constexpr):
+    """A bucket in [0, NBINS), non-decreasing in the key: NaN / +inf (keys above the largest
+    finite one) in the top bucket, a logit <= lo in bucket 0."""
+    v = tl.where(x > lo, tl.minimum(x - lo, 3.0e38) * scale, 0.0)  # +inf when it overflows
+    v = tl.minimum(tl.floor(v), NBINS - 1)
+    return tl.where(key > k_max, NBINS - 1, v.to(tl.int32))
+
+
+@triton.jit
+def _row_buckets(p_row, lo_c, hi_c, t, k_max, lo, scale, NBINS: tl.constexpr, BLOCK: tl.constexpr):
+    """[NBINS] counts of the buckets of the keys >= t of columns [lo_c, hi_c)."""
+    o_b = tl.arange(0, BLOCK)
+    hist = tl.zeros([NBINS], tl.int32)
+    for c0 in range(lo_c, hi_c, BLOCK):
+        o_c = c0 + o_b
+        m_c = o_c < hi_c
+        x = tl.load(p_row + o_c, mask=m_c, other=0.0)
+        key = _order_key(x)
+        hist += tl.histogram(_bucket(key, x, k_max, lo, scale, NBINS), NBINS, mask=m_c & (key >= t))
+    return hist
+
+
+@triton.jit
+def _pick(hist, K, NBINS: tl.constexpr):
+    """The bucket d of the K-th largest key, the keys still wanted from it, and its count."""
+    o_bin = tl.arange(0, NBINS)
+    ge = tl.cumsum(hist, axis=0, reverse=True)
+    d = tl.max(tl.where(ge >= K, o_bin, -1), axis=0)
+    want = K - tl.sum(tl.where(o_bin > d, hist, 0), axis=0)
+    return d, want, tl.sum(tl.where(o_bin == d, hist, 0), axis=0)
+
+
+@triton.jit
 def _narrow(hist, prefix, known, want, shift):
-    """One pass's step: `hist` [256] counts the digit at `shift` of the keys inside `prefix`
-    (the bits set in `known`), of which `want` are still to be taken. Returns the prefix grown
-    by the digit of the k-th key, the keys still wanted inside it, and whether they are all of
-    its keys (then the later digits are not needed)."""
+    """One radix step: `hist` [256] counts the digit at `shift` of the keys inside `prefix` (the
+    bits set in `known`), of which `want` are still to be taken. Returns the prefix grown by the
+    digit of the k-th key, the keys still wanted inside it, and whether they are all of its keys
+    (then the later digits are not needed)."""
     o_bin = tl.arange(0, 256)
-    # the digit d of the k-th key: keys with a larger digit number < want <= those >= d
     ge = tl.cumsum(hist, axis=0, reverse=True)
     d = tl.max(tl.where(ge >= want, o_bin, -1), axis=0)
     want -= tl.sum(tl.where(o_bin > d, hist, 0), axis=0)
@@ -83,36 +183,86 @@ def _narrow(hist, prefix, known, want, shift):
 
 
 @triton.jit
-def _histogram(p_row, lo, hi, prefix, known, shift, BLOCK: tl.constexpr):
-    """[256] counts of the digit at `shift` of the keys of columns [lo, hi) inside `prefix`."""
+def _bucket_write(p_row, p_out, p_cand, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+                  n_gt, n_eq, TO: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns [lo_c, hi_c) of keys >= t: those in buckets above d to output slots n_gt.., those in
+    bucket d (their rank among the row's from n_eq) to slots K - want + rank when TO == 1 (the
+    bucket is taken whole), to the candidate list when TO == 2, nowhere when TO == 0."""
     o_b = tl.arange(0, BLOCK)
-    hist = tl.zeros([256], tl.int32)
-    for c0 in range(lo, hi, BLOCK):
+    for c0 in range(lo_c, hi_c, BLOCK):
         o_c = c0 + o_b
-        m_c = o_c < hi
-        key = _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0))
-        m_sel = m_c & ((key & known) == prefix)
-        hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m_sel)
-    return hist
+        m_c = o_c < hi_c
+        x = tl.load(p_row + o_c, mask=m_c, other=0.0)
+        key = _order_key(x)
+        b = _bucket(key, x, k_max, lo, scale, NBINS)
+        m_in = m_c & (key >= t)
+        m_gt = m_in & (b > d)
+        col = (o_c - start).to(tl.int32)
+        tl.store(p_out + n_gt + tl.cumsum(m_gt.to(tl.int32), axis=0) - 1, col, mask=m_gt)
+        n_gt += tl.sum(m_gt.to(tl.int32), axis=0)
+        if TO != 0:
+            m_eq = m_in & (b == d)
+            r_eq = n_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
+            if TO == 1:
+                tl.store(p_out + K - want + r_eq, col, mask=m_eq)
+            else:
+                tl.store(p_cand + r_eq, col, mask=m_eq)
+            n_eq += tl.sum(m_eq.to(tl.int32), axis=0)
 
 
 @triton.jit
-def _write_selected(p_row, p_out, lo, hi, start, prefix, known, want, K, n_gt, n_eq,
-                    BLOCK: tl.constexpr):
-    """Columns [lo, hi) of keys above the prefix go to slots n_gt.. of [0, K - want), the first
-    of those inside it (their rank among the row's from n_eq) to [K - want, K)."""
-    o_b = tl.arange(0, BLOCK)
-    for c0 in range(lo, hi, BLOCK):
-        o_c = c0 + o_b
-        m_c = o_c < hi
-        key = _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0)) & known
-        m_gt = m_c & (key > prefix)
-        m_eq = m_c & (key == prefix)
-        r_gt = n_gt + tl.cumsum(m_gt.to(tl.int32), axis=0) - 1
+def _candidates(p_row, p_cand, i0, c, listed, start, end, t, k_max, lo, scale, d,
+                NBINS: tl.constexpr, BLOCK: tl.constexpr):
+    """Block i0 of the bucket-d keys: from the candidate list (listed) or from the row (bucket
+    recomputed; more keys than the list holds). Returns (column - start, key, mask)."""
+    o_i = i0 + tl.arange(0, BLOCK)
+    if listed:
+        m = o_i < c
+        col = tl.load(p_cand + o_i, mask=m, other=0)
+        key = _order_key(tl.load(p_row + start + col, mask=m, other=0.0))
+    else:
+        o_c = start + o_i
+        m_c = o_c < end
+        x = tl.load(p_row + o_c, mask=m_c, other=0.0)
+        key = _order_key(x)
+        m = m_c & (key >= t) & (_bucket(key, x, k_max, lo, scale, NBINS) == d)
+        col = o_i.to(tl.int32)
+    return col, key, m
+
+
+@triton.jit
+def _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K, CAND,
+            NBINS: tl.constexpr, BLOCK: tl.constexpr):
+    """Bucket d holds c keys of which `want` are taken: a radix select over their 32-bit keys
+    (8 bits a pass); those above the k-th key to slots K - want.., the first of its ties (column
+    order) to the last slots."""
+    listed = c <= CAND
+    n = tl.where(listed, c, end - start)
+    prefix = tl.zeros([], tl.uint32)
+    known = tl.zeros([], tl.uint32)
+    w = want
+    done = False
+    for i_pass in tl.static_range(4):
+        if not done:
+            shift = 24 - 8 * i_pass
+            hist = tl.zeros([256], tl.int32)
+            for i0 in range(0, n, BLOCK):
+                col, key, m = _candidates(p_row, p_cand, i0, c, listed, start, end, t, k_max, lo, scale,
+                                          d, NBINS, BLOCK)
+                m &= (key & known) == prefix
+                hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+            prefix, known, w, done = _narrow(hist, prefix, known, w, shift)
+    n_gt = K - want
+    n_eq = tl.zeros([], tl.int32)
+    for i0 in range(0, n, BLOCK):
+        col, key, m = _candidates(p_row, p_cand, i0, c, listed, start, end, t, k_max, lo, scale, d,
+                                  NBINS, BLOCK)
+        key &= known
+        m_gt = m & (key > prefix)
+        m_eq = m & (key == prefix)
         r_eq = n_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
-        m_take = m_eq & (r_eq < want)
-        slot = tl.where(m_gt, r_gt, K - want + r_eq)
-        tl.store(p_out + slot, (o_c - start).to(tl.int32), mask=m_gt | m_take)
+        tl.store(p_out + n_gt + tl.cumsum(m_gt.to(tl.int32), axis=0) - 1, col, mask=m_gt)
+        tl.store(p_out + K - w + r_eq, col, mask=m_eq & (r_eq < w))
         n_gt += tl.sum(m_gt.to(tl.int32), axis=0)
         n_eq += tl.sum(m_eq.to(tl.int32), axis=0)
 
@@ -128,124 +278,109 @@ def _write_all(p_out, n, K, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def topk_per_row_kernel(
-    logits_ptr, starts_ptr, ends_ptr, out_ptr,
-    stride_lr, stride_out, stride_end_b, L, K, next_n,
-    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    logits_ptr, starts_ptr, ends_ptr, out_ptr, cand_ptr,
+    stride_lr, stride_out, stride_end_b, L, K, next_n, CAND,
+    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    """One program a row: the four stages of the split path in sequence, nothing stored between
+    them but the candidate list."""
     i_r = tl.program_id(0).to(tl.int64)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
     n = end - start
     p_row = logits_ptr + i_r * stride_lr
     p_out = out_ptr + i_r * stride_out
+    p_cand = cand_ptr + i_r * CAND
     if n <= K:
         _write_all(p_out, n, K, BLOCK_K)
     else:
-        prefix = tl.zeros([], tl.uint32)
-        known = tl.zeros([], tl.uint32)
-        want = K
-        done = False
-        for i_pass in tl.static_range(4):
-            if not done:
-                shift = 24 - 8 * i_pass
-                hist = _histogram(p_row, start, end, prefix, known, shift, BLOCK)
-                prefix, known, want, done = _narrow(hist, prefix, known, want, shift)
-        _write_selected(p_row, p_out, start, end, start, prefix, known, want, K,
-                        tl.zeros([], tl.int32), tl.zeros([], tl.int32), BLOCK)
-
-
-@triton.jit
-def _state_after(p_hist, p_state, K, J: tl.constexpr):
-    """The narrowing state after pass J of a row: the state after pass J - 1 (stored by pass J's
-    kernel, slot J - 1) narrowed by pass J's histogram, unless it was done already."""
-    o_bin = tl.arange(0, 256)
-    if J == 0:
-        prefix, known, want, done = _narrow(tl.load(p_hist + o_bin), tl.zeros([], tl.uint32),
-                                            tl.zeros([], tl.uint32), K, 24)
-    else:
-        p = p_state + (J - 1) * 4
-        prefix = tl.load(p).to(tl.uint32, bitcast=True)
-        known = tl.load(p + 1).to(tl.uint32, bitcast=True)
-        want = tl.load(p + 2)
-        done = tl.load(p + 3) != 0
-        if not done:
-            prefix, known, want, done = _narrow(tl.load(p_hist + J * 256 + o_bin), prefix, known,
-                                                want, 24 - 8 * J)
-    return prefix, known, want, done
-
-
-@triton.jit
-def _part(start, end, i_p, P, BLOCK: tl.constexpr):
-    """Columns [lo, hi) of part i_p of P of [start, end) (parts of whole BLOCKs)."""
-    chunk = tl.cdiv(tl.cdiv(end - start, P), BLOCK) * BLOCK
-    lo = tl.minimum(start + i_p * chunk, end)
-    return lo, tl.minimum(end, lo + chunk)
-
-
-@triton.jit
-def topk_split_hist_kernel(
-    logits_ptr, starts_ptr, ends_ptr, hist_ptr, state_ptr,
-    stride_lr, stride_end_b, L, K, next_n, P,
-    PASS: tl.constexpr, ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    i_r = tl.program_id(0).to(tl.int64)
-    i_p = tl.program_id(1)
-    start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
-    if end - start > K:
-        p_hist = hist_ptr + i_r * (4 * 256)
-        if PASS == 0:
-            prefix = tl.zeros([], tl.uint32)
-            known = tl.zeros([], tl.uint32)
-            done = False
+        t, k_max, k_min = _part_stats(p_row, start, end, _group_log(n, K, BLOCK), BLOCK)
+        lo, scale = _bucket_range(t, k_max, k_min, NBINS)
+        hist = _row_buckets(p_row, start, end, t, k_max, lo, scale, NBINS, BLOCK)
+        d, want, c = _pick(hist, K, NBINS)
+        zero = tl.zeros([], tl.int32)
+        if c == want:
+            _bucket_write(p_row, p_out, p_cand, start, end, start, t, k_max, lo, scale, d, want, K,
+                          zero, zero, 1, NBINS, BLOCK)
         else:
-            p_state = state_ptr + i_r * (3 * 4)
-            prefix, known, want, done = _state_after(p_hist, p_state, K, PASS - 1)
-            if i_p == 0:  # for the next kernels: the state after pass PASS - 1
-                p = p_state + (PASS - 1) * 4
-                tl.store(p, prefix.to(tl.int32, bitcast=True))
-                tl.store(p + 1, known.to(tl.int32, bitcast=True))
-                tl.store(p + 2, want)
-                tl.store(p + 3, done.to(tl.int32))
-        if not done:
-            lo, hi = _part(start, end, i_p, P, BLOCK)
-            hist = _histogram(logits_ptr + i_r * stride_lr, lo, hi, prefix, known, 24 - 8 * PASS, BLOCK)
-            tl.atomic_add(p_hist + PASS * 256 + tl.arange(0, 256), hist, mask=hist != 0, sem="relaxed")
+            if c <= CAND:
+                _bucket_write(p_row, p_out, p_cand, start, end, start, t, k_max, lo, scale, d, want,
+                              K, zero, zero, 2, NBINS, BLOCK)
+            else:
+                _bucket_write(p_row, p_out, p_cand, start, end, start, t, k_max, lo, scale, d, want,
+                              K, zero, zero, 0, NBINS, BLOCK)
+            tl.debug_barrier()  # the candidate list, written by every thread, read by every thread
+            _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K, CAND,
+                    NBINS, BLOCK)
 
 
 @triton.jit
-def topk_split_count_kernel(
-    logits_ptr, starts_ptr, ends_ptr, hist_ptr, state_ptr, count_ptr,
+def _row_range(stats_ptr, i_r, P, BLOCK_P: tl.constexpr, NBINS: tl.constexpr):
+    """The row's lower bound, largest finite key and bucket range from its parts' stats."""
+    o_q = tl.arange(0, BLOCK_P)
+    p = stats_ptr + (i_r * P + o_q) * 3
+    m = o_q < P
+    t = tl.min(tl.load(p, mask=m, other=-1).to(tl.uint32, bitcast=True), axis=0)
+    k_max = tl.max(tl.load(p + 1, mask=m, other=0).to(tl.uint32, bitcast=True), axis=0)
+    k_min = tl.min(tl.load(p + 2, mask=m, other=-1).to(tl.uint32, bitcast=True), axis=0)
+    lo, scale = _bucket_range(t, k_max, k_min, NBINS)
+    return t, k_max, lo, scale
+
+
+@triton.jit
+def topk_split_stats_kernel(
+    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr,
     stride_lr, stride_end_b, L, K, next_n, P,
-    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """Stage 1 of a row split over P programs: each part's lower bound and finite key range;
+    part 0 zeroes the row's bucket counts (stage 2 adds into them)."""
     i_r = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
-    n_gt = tl.zeros([], tl.int32)
-    n_eq = tl.zeros([], tl.int32)
     if end - start > K:
-        prefix, known, want, done = _state_after(hist_ptr + i_r * (4 * 256), state_ptr + i_r * (3 * 4),
-                                                 K, 3)
-        lo, hi = _part(start, end, i_p, P, BLOCK)
-        p_row = logits_ptr + i_r * stride_lr
-        o_b = tl.arange(0, BLOCK)
-        for c0 in range(lo, hi, BLOCK):
-            o_c = c0 + o_b
-            m_c = o_c < hi
-            key = _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0)) & known
-            n_gt += tl.sum((m_c & (key > prefix)).to(tl.int32), axis=0)
-            n_eq += tl.sum((m_c & (key == prefix)).to(tl.int32), axis=0)
-    p_count = count_ptr + (i_r * P + i_p) * 2
-    tl.store(p_count, n_gt)
-    tl.store(p_count + 1, n_eq)
+        lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
+        t, k_max, k_min = _part_stats(logits_ptr + i_r * stride_lr, lo_c, hi_c, _group_log(end - start, K, BLOCK),
+                                      BLOCK)
+        p = stats_ptr + (i_r * P + i_p) * 3
+        tl.store(p, t.to(tl.int32, bitcast=True))
+        tl.store(p + 1, k_max.to(tl.int32, bitcast=True))
+        tl.store(p + 2, k_min.to(tl.int32, bitcast=True))
+        if i_p == 0:
+            tl.store(hist_ptr + i_r * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], tl.int32))
+
+
+@triton.jit
+def topk_split_bucket_kernel(
+    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, suffix_ptr,
+    stride_lr, stride_end_b, L, K, next_n, P,
+    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Stage 2: each part's bucket counts, added into the row's, and stored as suffix sums
+    (keys in buckets >= b) for stage 3's offsets."""
+    i_r = tl.program_id(0).to(tl.int64)
+    i_p = tl.program_id(1)
+    start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
+    if end - start > K:
+        t, k_max, lo, scale = _row_range(stats_ptr, i_r, P, BLOCK_P, NBINS)
+        lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
+        hist = _row_buckets(logits_ptr + i_r * stride_lr, lo_c, hi_c, t, k_max, lo, scale, NBINS, BLOCK)
+        o_bin = tl.arange(0, NBINS)
+        tl.atomic_add(hist_ptr + i_r * NBINS + o_bin, hist, mask=hist != 0, sem="relaxed")
+        tl.store(suffix_ptr + (i_r * P + i_p) * NBINS + o_bin, tl.cumsum(hist, axis=0, reverse=True))
 
 
 @triton.jit
 def topk_split_write_kernel(
-    logits_ptr, starts_ptr, ends_ptr, hist_ptr, state_ptr, count_ptr, out_ptr,
-    stride_lr, stride_out, stride_end_b, L, K, next_n, P,
-    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, suffix_ptr, out_ptr, cand_ptr,
+    stride_lr, stride_out, stride_end_b, L, K, next_n, P, CAND,
+    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    """Stage 3: each part writes its keys above the K-th key's bucket, and that bucket's keys (to
+    the output when all are taken, else to the candidate list), from the offsets the parts
+    before it give, so the row reads as one program would write it."""
     i_r = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
@@ -254,17 +389,51 @@ def topk_split_write_kernel(
         if i_p == 0:
             _write_all(p_out, end - start, K, BLOCK_K)
     else:
-        prefix, known, want, done = _state_after(hist_ptr + i_r * (4 * 256), state_ptr + i_r * (3 * 4),
-                                                 K, 3)
-        lo, hi = _part(start, end, i_p, P, BLOCK)
-        # this part's first slots: the keys above / inside the prefix of the parts before it
+        t, k_max, lo, scale = _row_range(stats_ptr, i_r, P, BLOCK_P, NBINS)
+        d, want, c = _pick(tl.load(hist_ptr + i_r * NBINS + tl.arange(0, NBINS)), K, NBINS)
         o_q = tl.arange(0, BLOCK_P)
-        p_count = count_ptr + (i_r * P + o_q) * 2
+        p_suf = suffix_ptr + (i_r * P + o_q) * NBINS
         m_q = o_q < i_p
-        n_gt = tl.sum(tl.load(p_count, mask=m_q, other=0), axis=0)
-        n_eq = tl.sum(tl.load(p_count + 1, mask=m_q, other=0), axis=0)
-        _write_selected(logits_ptr + i_r * stride_lr, p_out, lo, hi, start, prefix, known, want, K,
-                        n_gt, n_eq, BLOCK)
+        ge_d = tl.sum(tl.load(p_suf + d, mask=m_q, other=0), axis=0)
+        n_gt = tl.sum(tl.load(p_suf + d + 1, mask=m_q & (d + 1 < NBINS), other=0), axis=0)
+        lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
+        p_row = logits_ptr + i_r * stride_lr
+        p_cand = cand_ptr + i_r * CAND
+        if c == want:
+            _bucket_write(p_row, p_out, p_cand, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+                          n_gt, ge_d - n_gt, 1, NBINS, BLOCK)
+        elif c <= CAND:
+            _bucket_write(p_row, p_out, p_cand, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+                          n_gt, ge_d - n_gt, 2, NBINS, BLOCK)
+        else:
+            _bucket_write(p_row, p_out, p_cand, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+                          n_gt, ge_d - n_gt, 0, NBINS, BLOCK)
+
+
+@triton.jit
+def topk_split_finish_kernel(
+    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, out_ptr, cand_ptr,
+    stride_lr, stride_out, stride_end_b, L, K, next_n, P, CAND,
+    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Stage 4, one program a row: the K-th key's bucket when only part of it is taken."""
+    i_r = tl.program_id(0).to(tl.int64)
+    start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
+    if end - start > K:
+        d, want, c = _pick(tl.load(hist_ptr + i_r * NBINS + tl.arange(0, NBINS)), K, NBINS)
+        if c != want:
+            t, k_max, lo, scale = _row_range(stats_ptr, i_r, P, BLOCK_P, NBINS)
+            _finish(logits_ptr + i_r * stride_lr, out_ptr + i_r * stride_out, cand_ptr + i_r * CAND, start,
+                    end, t, k_max, lo, scale, d, want, c, K, CAND, NBINS, BLOCK)
+
+
+@triton.jit
+def _part(start, end, i_p, P, BLOCK: tl.constexpr):
+    """Columns [lo, hi) of part i_p of P of [start, end) (parts of whole BLOCKs)."""
+    chunk = tl.cdiv(tl.cdiv(end - start, P), BLOCK) * BLOCK
+    lo = tl.minimum(start + i_p * chunk, end)
+    return lo, tl.minimum(end, lo + chunk)
 
 
 def _check_k(k) -> int:
@@ -298,26 +467,32 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
     starts_arg = starts if starts is not None else ends
     block_k = min(1024, triton.next_power_of_2(k))
     P = row_programs if row_programs is not None else _row_programs(logits.device, R, L)
+    cand_len = max(1, min(L, _CANDIDATES))
+    cand = torch.empty(R, cand_len, dtype=torch.int32, device=logits.device)
+    common = dict(ROW_ENDS=row_ends, HAS_STARTS=starts is not None, NBINS=_BUCKETS)
     if P == 1:
         topk_per_row_kernel[(R,)](
-            logits, starts_arg, ends, out,
-            logits.stride(0), out.stride(0), stride_end_b, L, k, next_n,
-            ROW_ENDS=row_ends, HAS_STARTS=starts is not None, BLOCK=block, BLOCK_K=block_k, num_warps=8,
+            logits, starts_arg, ends, out, cand,
+            logits.stride(0), out.stride(0), stride_end_b, L, k, next_n, cand_len,
+            BLOCK=block, BLOCK_K=block_k, num_warps=8, **common,
         )
         return out
-    block = min(block, _SPLIT_BLOCK)
-    hist = torch.zeros(R, _PASSES, _BINS, dtype=torch.int32, device=logits.device)
-    state = torch.empty(R, _PASSES - 1, 4, dtype=torch.int32, device=logits.device)
-    counts = torch.empty(R, P, 2, dtype=torch.int32, device=logits.device)
-    common = dict(ROW_ENDS=row_ends, HAS_STARTS=starts is not None, BLOCK=block, num_warps=4)
-    for i_pass in range(_PASSES):
-        topk_split_hist_kernel[(R, P)](logits, starts_arg, ends, hist, state, logits.stride(0),
-                                       stride_end_b, L, k, next_n, P, PASS=i_pass, **common)
-    topk_split_count_kernel[(R, P)](logits, starts_arg, ends, hist, state, counts, logits.stride(0),
-                                    stride_end_b, L, k, next_n, P, **common)
-    topk_split_write_kernel[(R, P)](logits, starts_arg, ends, hist, state, counts, out, logits.stride(0),
-                                    out.stride(0), stride_end_b, L, k, next_n, P, BLOCK_K=block_k,
-                                    BLOCK_P=triton.next_power_of_2(P), **common)
+    common.update(BLOCK=min(block, _SPLIT_BLOCK), num_warps=4)
+    block_p = triton.next_power_of_2(P)
+    stats = torch.empty(R, P, 3, dtype=torch.int32, device=logits.device)
+    hist = torch.empty(R, _BUCKETS, dtype=torch.int32, device=logits.device)
+    suffix = torch.empty(R, P, _BUCKETS, dtype=torch.int32, device=logits.device)
+    row_args = (stride_end_b, L, k, next_n, P)
+    topk_split_stats_kernel[(R, P)](logits, starts_arg, ends, stats, hist, logits.stride(0), *row_args,
+                                    **common)
+    topk_split_bucket_kernel[(R, P)](logits, starts_arg, ends, stats, hist, suffix, logits.stride(0),
+                                     *row_args, BLOCK_P=block_p, **common)
+    topk_split_write_kernel[(R, P)](logits, starts_arg, ends, stats, hist, suffix, out, cand,
+                                    logits.stride(0), out.stride(0), *row_args, cand_len,
+                                    BLOCK_K=block_k, BLOCK_P=block_p, **common)
+    topk_split_finish_kernel[(R,)](logits, starts_arg, ends, stats, hist, out, cand,
+                                   logits.stride(0), out.stride(0), *row_args, cand_len,
+                                   BLOCK_P=block_p, **common)
     return out
 
 

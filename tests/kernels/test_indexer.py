@@ -2,6 +2,8 @@
 fp32 oracles of kernels/reference/indexer.py, on adversarial inputs (NaN-filled unused cache
 rows, invalid block-table entries of every kind, shuffled pages, zero lengths, rows shorter than
 k, ties, NaN and inf logits)."""
+import sys
+
 import pytest
 import torch
 
@@ -295,6 +297,20 @@ def test_topk_split_rows_equal_one_program(k):
     for P in (3, 16):  # parts of 1024 columns; of 256, four of them empty
         got = topk_per_row(x, ends, k, starts=starts, block=256, row_programs=P)
         assert torch.equal(got, one), P
+
+
+@pytest.mark.parametrize("row_programs", [1, 4])
+def test_topk_bucket_past_the_candidate_list(row_programs, monkeypatch):
+    """The k-th key's bucket read back from the row (more keys than the list holds) gives what
+    the list gives; so do rows whose bucket is taken whole, or holds only ties of the k-th key."""
+    x = _topk_logits(6, 2048, seed=9)
+    x[0, 100:1900] = 3.0  # the k-th key's bucket: 1800 ties
+    x[5, :] = torch.arange(2048, device=DEVICE).float()  # a bucket of 8 distinct keys
+    ends = torch.full((6,), 2048, dtype=torch.int32, device=DEVICE)
+    want = topk_per_row(x, ends, 200, block=256, row_programs=row_programs)
+    _check_topk(want, x, ends, 200)
+    monkeypatch.setattr(sys.modules["openmla.kernels.indexer.topk"], "_CANDIDATES", 3)
+    assert torch.equal(topk_per_row(x, ends, 200, block=256, row_programs=row_programs), want)
 
 
 def test_topk_rows_shorter_longer_equal_to_k():
