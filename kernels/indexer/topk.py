@@ -6,15 +6,17 @@ over the fp32 logits and their order-preserving uint32 keys (NaN above +inf):
   1. a lower bound t of the k-th key: the smallest maximum over groups of g columns, g the
      largest power of two <= n // k (and 32), so that at least n / g >= k keys are >= t; and
      the largest / smallest finite logit;
-  2. one histogram of the keys >= t over 256 buckets linear in the logit between t (or the
+  2. one histogram of the keys >= t over _BUCKETS buckets linear in the logit between t (or the
      smallest finite logit when t is -inf) and the largest finite one; NaN and +inf in the top
      bucket. The bucket is a non-decreasing function of the key, so every key in a bucket above
      the k-th key's is wanted, none below it;
   3. the keys of the buckets above go to the output in column order; the k-th key's bucket goes
      whole to the output when all its keys are wanted, else to a candidate list (column order),
      or nowhere when it holds more than _CANDIDATES keys;
-  4. an 8-bit radix select over the bucket's 32-bit keys (from the list, or from the row when it
-     did not fit) writes those above the k-th key and the first of its ties in column order.
+  4. the bucket's keys still wanted: a list of at most _PAIRWISE keys ranked by comparing all
+     pairs (one step), else an 8-bit radix select over their 32-bit keys (from the list, or from
+     the row when it did not fit); those above the k-th key and the first of its ties in column
+     order are written.
 With the bound from stage 1 the bucket of the k-th key holds a few dozen keys for the rows the
 indexer gives, so stages 2-4 are one histogram pass and one write pass over the row.
 
@@ -41,7 +43,9 @@ from openmla.quant.validate import check_same_device, check_tensor, fail
 __all__ = ["topk_per_row", "decode_topk"]
 
 # Buckets of the one histogram over a whole row (linear in the logit over the row's range)
-_BUCKETS = 256
+_BUCKETS = 128
+# Lists of at most this many keys are ranked by comparing all pairs (one step), longer ones by radix
+_PAIRWISE = 128
 # The K-th key's bucket is listed for the last stage when it holds at most this many keys, else
 # that stage reads the row again (correct for any row; slower for rows of many equal keys).
 _CANDIDATES = 2048
@@ -98,26 +102,30 @@ def _group_log(n, K, BLOCK: tl.constexpr):
 def _part_stats(p_row, lo, hi, lg, BLOCK: tl.constexpr):
     """Over columns [lo, hi): the smallest maximum of the groups of 2^lg columns (each block cut
     into groups; a group holding no column of [lo, hi) does not count), and the largest and
-    smallest key of a finite logit (0 and 0xFFFFFFFF when there is none)."""
+    smallest key of a finite logit (0 and 0xFFFFFFFF when there is none). Elementwise running
+    values, reduced once at the end; a loop per group size so the accumulator's shape is static."""
     o_b = tl.arange(0, BLOCK)
     t = tl.full([], 0xFFFFFFFF, tl.uint32)
-    k_max = tl.zeros([], tl.uint32)
-    k_min = tl.full([], 0xFFFFFFFF, tl.uint32)
-    for c0 in range(lo, hi, BLOCK):
-        o_c = c0 + o_b
-        m_c = o_c < hi
-        key = tl.where(m_c, _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0)), 0)  # 0: no column
-        fin = m_c & (key > 0x007FFFFF) & (key < 0xFF800000)
-        k_max = tl.maximum(k_max, tl.max(tl.where(fin, key, 0), axis=0))
-        k_min = tl.minimum(k_min, tl.min(tl.where(fin, key, 0xFFFFFFFF), axis=0))
-        if lg == 0:
-            t = tl.minimum(t, tl.min(tl.where(m_c, key, 0xFFFFFFFF), axis=0))
-        for j in tl.static_range(1, 6):
-            if (1 << j) <= BLOCK:
-                if lg == j:
-                    gmax = tl.max(tl.reshape(key, [BLOCK >> j, 1 << j]), axis=1)
-                    t = tl.minimum(t, tl.min(tl.where(gmax == 0, 0xFFFFFFFF, gmax), axis=0))
-    return t, k_max, k_min
+    acc_max = tl.zeros([BLOCK], tl.uint32)
+    acc_min = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+    for j in tl.static_range(0, 6):
+        if (1 << j) <= BLOCK:
+            if lg == j:
+                acc_t = tl.full([BLOCK >> j], 0xFFFFFFFF, tl.uint32)
+                for c0 in range(lo, hi, BLOCK):
+                    o_c = c0 + o_b
+                    m_c = o_c < hi
+                    key = tl.where(m_c, _order_key(tl.load(p_row + o_c, mask=m_c, other=0.0)), 0)  # 0: none
+                    fin = (key > 0x007FFFFF) & (key < 0xFF800000)
+                    acc_max = tl.maximum(acc_max, tl.where(fin, key, 0))
+                    acc_min = tl.minimum(acc_min, tl.where(fin, key, 0xFFFFFFFF))
+                    if j == 0:
+                        gmax = key
+                    else:
+                        gmax = tl.max(tl.reshape(key, [BLOCK >> j, 1 << j]), axis=1)
+                    acc_t = tl.minimum(acc_t, tl.where(gmax == 0, 0xFFFFFFFF, gmax))
+                t = tl.min(acc_t, axis=0)
+    return t, tl.max(acc_max, axis=0), tl.min(acc_min, axis=0)
 
 
 @triton.jit
@@ -183,11 +191,12 @@ def _narrow(hist, prefix, known, want, shift):
 
 
 @triton.jit
-def _bucket_write(p_row, p_out, p_cand, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+def _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
                   n_gt, n_eq, TO: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr):
     """Columns [lo_c, hi_c) of keys >= t: those in buckets above d to output slots n_gt.., those in
     bucket d (their rank among the row's from n_eq) to slots K - want + rank when TO == 1 (the
-    bucket is taken whole), to the candidate list when TO == 2, nowhere when TO == 0."""
+    bucket is taken whole), to the candidate list when TO == 2 (columns, then their keys CAND
+    further), nowhere when TO == 0."""
     o_b = tl.arange(0, BLOCK)
     for c0 in range(lo_c, hi_c, BLOCK):
         o_c = c0 + o_b
@@ -197,21 +206,24 @@ def _bucket_write(p_row, p_out, p_cand, lo_c, hi_c, start, t, k_max, lo, scale, 
         b = _bucket(key, x, k_max, lo, scale, NBINS)
         m_in = m_c & (key >= t)
         m_gt = m_in & (b > d)
+        m_eq = m_in & (b == d)
         col = (o_c - start).to(tl.int32)
-        tl.store(p_out + n_gt + tl.cumsum(m_gt.to(tl.int32), axis=0) - 1, col, mask=m_gt)
+        # one scan ranks both: keys above in the low 16 bits, the bucket's in the high
+        both = tl.cumsum(m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16), axis=0)
+        tl.store(p_out + n_gt + (both & 0xFFFF) - 1, col, mask=m_gt)
         n_gt += tl.sum(m_gt.to(tl.int32), axis=0)
         if TO != 0:
-            m_eq = m_in & (b == d)
-            r_eq = n_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
+            r_eq = n_eq + (both >> 16) - 1
             if TO == 1:
                 tl.store(p_out + K - want + r_eq, col, mask=m_eq)
             else:
                 tl.store(p_cand + r_eq, col, mask=m_eq)
+                tl.store(p_cand + CAND + r_eq, key.to(tl.int32, bitcast=True), mask=m_eq)
             n_eq += tl.sum(m_eq.to(tl.int32), axis=0)
 
 
 @triton.jit
-def _candidates(p_row, p_cand, i0, c, listed, start, end, t, k_max, lo, scale, d,
+def _candidates(p_row, p_cand, CAND, i0, c, listed, start, end, t, k_max, lo, scale, d,
                 NBINS: tl.constexpr, BLOCK: tl.constexpr):
     """Block i0 of the bucket-d keys: from the candidate list (listed) or from the row (bucket
     recomputed; more keys than the list holds). Returns (column - start, key, mask)."""
@@ -219,7 +231,7 @@ def _candidates(p_row, p_cand, i0, c, listed, start, end, t, k_max, lo, scale, d
     if listed:
         m = o_i < c
         col = tl.load(p_cand + o_i, mask=m, other=0)
-        key = _order_key(tl.load(p_row + start + col, mask=m, other=0.0))
+        key = tl.load(p_cand + CAND + o_i, mask=m, other=0).to(tl.uint32, bitcast=True)
     else:
         o_c = start + o_i
         m_c = o_c < end
@@ -232,11 +244,28 @@ def _candidates(p_row, p_cand, i0, c, listed, start, end, t, k_max, lo, scale, d
 
 @triton.jit
 def _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K, CAND,
-            NBINS: tl.constexpr, BLOCK: tl.constexpr):
-    """Bucket d holds c keys of which `want` are taken: a radix select over their 32-bit keys
-    (8 bits a pass); those above the k-th key to slots K - want.., the first of its ties (column
-    order) to the last slots."""
+            NBINS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Bucket d holds c keys of which `want` are taken. A list of at most BLOCK_C: each key's rank
+    (keys above it, ties before it in column order) by comparing all pairs, rank r < want to
+    slot K - want + r. Else a radix select over their 32-bit keys (8 bits a pass): those above
+    the k-th key to slots K - want.., the first of its ties (column order) to the last slots."""
     listed = c <= CAND
+    if listed & (c <= BLOCK_C):
+        o = tl.arange(0, BLOCK_C)
+        m = o < c
+        col = tl.load(p_cand + o, mask=m, other=0)
+        key = tl.load(p_cand + CAND + o, mask=m, other=0).to(tl.uint32, bitcast=True)
+        above = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (o[None, :] < o[:, None]))
+        rank = tl.sum((above & m[None, :]).to(tl.int32), axis=1)
+        tl.store(p_out + K - want + rank, col, mask=m & (rank < want))
+    else:
+        _radix_finish(p_row, p_out, p_cand, CAND, listed, start, end, t, k_max, lo, scale, d, want, c,
+                      K, NBINS, BLOCK)
+
+
+@triton.jit
+def _radix_finish(p_row, p_out, p_cand, CAND, listed, start, end, t, k_max, lo, scale, d, want, c, K,
+                  NBINS: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.where(listed, c, end - start)
     prefix = tl.zeros([], tl.uint32)
     known = tl.zeros([], tl.uint32)
@@ -247,7 +276,7 @@ def _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K
             shift = 24 - 8 * i_pass
             hist = tl.zeros([256], tl.int32)
             for i0 in range(0, n, BLOCK):
-                col, key, m = _candidates(p_row, p_cand, i0, c, listed, start, end, t, k_max, lo, scale,
+                col, key, m = _candidates(p_row, p_cand, CAND, i0, c, listed, start, end, t, k_max, lo, scale,
                                           d, NBINS, BLOCK)
                 m &= (key & known) == prefix
                 hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
@@ -255,7 +284,7 @@ def _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K
     n_gt = K - want
     n_eq = tl.zeros([], tl.int32)
     for i0 in range(0, n, BLOCK):
-        col, key, m = _candidates(p_row, p_cand, i0, c, listed, start, end, t, k_max, lo, scale, d,
+        col, key, m = _candidates(p_row, p_cand, CAND, i0, c, listed, start, end, t, k_max, lo, scale, d,
                                   NBINS, BLOCK)
         key &= known
         m_gt = m & (key > prefix)
@@ -281,7 +310,7 @@ def topk_per_row_kernel(
     logits_ptr, starts_ptr, ends_ptr, out_ptr, cand_ptr,
     stride_lr, stride_out, stride_end_b, L, K, next_n, CAND,
     ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One program a row: the four stages of the split path in sequence, nothing stored between
     them but the candidate list."""
@@ -290,7 +319,7 @@ def topk_per_row_kernel(
     n = end - start
     p_row = logits_ptr + i_r * stride_lr
     p_out = out_ptr + i_r * stride_out
-    p_cand = cand_ptr + i_r * CAND
+    p_cand = cand_ptr + i_r * (2 * CAND)
     if n <= K:
         _write_all(p_out, n, K, BLOCK_K)
     else:
@@ -300,18 +329,18 @@ def topk_per_row_kernel(
         d, want, c = _pick(hist, K, NBINS)
         zero = tl.zeros([], tl.int32)
         if c == want:
-            _bucket_write(p_row, p_out, p_cand, start, end, start, t, k_max, lo, scale, d, want, K,
+            _bucket_write(p_row, p_out, p_cand, CAND, start, end, start, t, k_max, lo, scale, d, want, K,
                           zero, zero, 1, NBINS, BLOCK)
         else:
             if c <= CAND:
-                _bucket_write(p_row, p_out, p_cand, start, end, start, t, k_max, lo, scale, d, want,
+                _bucket_write(p_row, p_out, p_cand, CAND, start, end, start, t, k_max, lo, scale, d, want,
                               K, zero, zero, 2, NBINS, BLOCK)
             else:
-                _bucket_write(p_row, p_out, p_cand, start, end, start, t, k_max, lo, scale, d, want,
+                _bucket_write(p_row, p_out, p_cand, CAND, start, end, start, t, k_max, lo, scale, d, want,
                               K, zero, zero, 0, NBINS, BLOCK)
             tl.debug_barrier()  # the candidate list, written by every thread, read by every thread
             _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K, CAND,
-                    NBINS, BLOCK)
+                    NBINS, BLOCK, BLOCK_C)
 
 
 @triton.jit
@@ -340,8 +369,8 @@ def topk_split_stats_kernel(
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
     if end - start > K:
         lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
-        t, k_max, k_min = _part_stats(logits_ptr + i_r * stride_lr, lo_c, hi_c, _group_log(end - start, K, BLOCK),
-                                      BLOCK)
+        lg = _group_log(end - start, K, BLOCK)
+        t, k_max, k_min = _part_stats(logits_ptr + i_r * stride_lr, lo_c, hi_c, lg, BLOCK)
         p = stats_ptr + (i_r * P + i_p) * 3
         tl.store(p, t.to(tl.int32, bitcast=True))
         tl.store(p + 1, k_max.to(tl.int32, bitcast=True))
@@ -398,15 +427,15 @@ def topk_split_write_kernel(
         n_gt = tl.sum(tl.load(p_suf + d + 1, mask=m_q & (d + 1 < NBINS), other=0), axis=0)
         lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
         p_row = logits_ptr + i_r * stride_lr
-        p_cand = cand_ptr + i_r * CAND
+        p_cand = cand_ptr + i_r * (2 * CAND)
         if c == want:
-            _bucket_write(p_row, p_out, p_cand, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+            _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
                           n_gt, ge_d - n_gt, 1, NBINS, BLOCK)
         elif c <= CAND:
-            _bucket_write(p_row, p_out, p_cand, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+            _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
                           n_gt, ge_d - n_gt, 2, NBINS, BLOCK)
         else:
-            _bucket_write(p_row, p_out, p_cand, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+            _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
                           n_gt, ge_d - n_gt, 0, NBINS, BLOCK)
 
 
@@ -415,7 +444,7 @@ def topk_split_finish_kernel(
     logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, out_ptr, cand_ptr,
     stride_lr, stride_out, stride_end_b, L, K, next_n, P, CAND,
     ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Stage 4, one program a row: the K-th key's bucket when only part of it is taken."""
     i_r = tl.program_id(0).to(tl.int64)
@@ -424,8 +453,8 @@ def topk_split_finish_kernel(
         d, want, c = _pick(tl.load(hist_ptr + i_r * NBINS + tl.arange(0, NBINS)), K, NBINS)
         if c != want:
             t, k_max, lo, scale = _row_range(stats_ptr, i_r, P, BLOCK_P, NBINS)
-            _finish(logits_ptr + i_r * stride_lr, out_ptr + i_r * stride_out, cand_ptr + i_r * CAND, start,
-                    end, t, k_max, lo, scale, d, want, c, K, CAND, NBINS, BLOCK)
+            _finish(logits_ptr + i_r * stride_lr, out_ptr + i_r * stride_out, cand_ptr + i_r * (2 * CAND),
+                    start, end, t, k_max, lo, scale, d, want, c, K, CAND, NBINS, BLOCK, BLOCK_C)
 
 
 @triton.jit
@@ -468,13 +497,14 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
     block_k = min(1024, triton.next_power_of_2(k))
     P = row_programs if row_programs is not None else _row_programs(logits.device, R, L)
     cand_len = max(1, min(L, _CANDIDATES))
-    cand = torch.empty(R, cand_len, dtype=torch.int32, device=logits.device)
+    cand = torch.empty(R, 2, cand_len, dtype=torch.int32, device=logits.device)
     common = dict(ROW_ENDS=row_ends, HAS_STARTS=starts is not None, NBINS=_BUCKETS)
+    block_c = _PAIRWISE
     if P == 1:
         topk_per_row_kernel[(R,)](
             logits, starts_arg, ends, out, cand,
             logits.stride(0), out.stride(0), stride_end_b, L, k, next_n, cand_len,
-            BLOCK=block, BLOCK_K=block_k, num_warps=8, **common,
+            BLOCK=block, BLOCK_K=block_k, BLOCK_C=block_c, num_warps=8, **common,
         )
         return out
     common.update(BLOCK=min(block, _SPLIT_BLOCK), num_warps=4)
@@ -492,7 +522,7 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
                                     BLOCK_K=block_k, BLOCK_P=block_p, **common)
     topk_split_finish_kernel[(R,)](logits, starts_arg, ends, stats, hist, out, cand,
                                    logits.stride(0), out.stride(0), *row_args, cand_len,
-                                   BLOCK_P=block_p, **common)
+                                   BLOCK_P=block_p, BLOCK_C=block_c, **common)
     return out
 
 

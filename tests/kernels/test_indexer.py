@@ -301,16 +301,22 @@ def test_topk_split_rows_equal_one_program(k):
 
 @pytest.mark.parametrize("row_programs", [1, 4])
 def test_topk_bucket_past_the_candidate_list(row_programs, monkeypatch):
-    """The k-th key's bucket read back from the row (more keys than the list holds) gives what
-    the list gives; so do rows whose bucket is taken whole, or holds only ties of the k-th key."""
+    """The k-th key's bucket ranked pairwise (short list), by radix over the list, and read back
+    from the row (more keys than the list holds) selects the same columns; so do rows whose bucket
+    is taken whole, or holds only ties of the k-th key."""
     x = _topk_logits(6, 2048, seed=9)
     x[0, 100:1900] = 3.0  # the k-th key's bucket: 1800 ties
-    x[5, :] = torch.arange(2048, device=DEVICE).float()  # a bucket of 8 distinct keys
+    x[5, :] = torch.arange(2048, device=DEVICE).float()  # a bucket of a few distinct keys
     ends = torch.full((6,), 2048, dtype=torch.int32, device=DEVICE)
+    topk = sys.modules["openmla.kernels.indexer.topk"]
     want = topk_per_row(x, ends, 200, block=256, row_programs=row_programs)
     _check_topk(want, x, ends, 200)
-    monkeypatch.setattr(sys.modules["openmla.kernels.indexer.topk"], "_CANDIDATES", 3)
-    assert torch.equal(topk_per_row(x, ends, 200, block=256, row_programs=row_programs), want)
+    for name, value in (("_PAIRWISE", 2), ("_CANDIDATES", 3)):
+        with monkeypatch.context() as mp:
+            mp.setattr(topk, name, value)
+            got = topk_per_row(x, ends, 200, block=256, row_programs=row_programs)
+        _check_topk(got, x, ends, 200)
+        assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values), name
 
 
 def test_topk_rows_shorter_longer_equal_to_k():
