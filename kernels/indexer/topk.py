@@ -44,8 +44,9 @@ __all__ = ["topk_per_row", "decode_topk"]
 
 # Buckets of the one histogram over a whole row (linear in the logit over the row's range)
 _BUCKETS = 128
-# Lists of at most this many keys are ranked by comparing all pairs (one step), longer ones by radix
-_PAIRWISE = 128
+# Lists of at most this many keys are ranked by comparing all pairs (one step; half-size tiles for
+# lists of at most half), longer ones by radix
+_PAIRWISE = 256
 # The K-th key's bucket is listed for the last stage when it holds at most this many keys, else
 # that stage reads the row again (correct for any row; slower for rows of many equal keys).
 _CANDIDATES = 2048
@@ -250,17 +251,25 @@ def _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K
     slot K - want + r. Else a radix select over their 32-bit keys (8 bits a pass): those above
     the k-th key to slots K - want.., the first of its ties (column order) to the last slots."""
     listed = c <= CAND
-    if listed & (c <= BLOCK_C):
-        o = tl.arange(0, BLOCK_C)
-        m = o < c
-        col = tl.load(p_cand + o, mask=m, other=0)
-        key = tl.load(p_cand + CAND + o, mask=m, other=0).to(tl.uint32, bitcast=True)
-        above = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (o[None, :] < o[:, None]))
-        rank = tl.sum((above & m[None, :]).to(tl.int32), axis=1)
-        tl.store(p_out + K - want + rank, col, mask=m & (rank < want))
+    if listed & (c <= BLOCK_C // 2):  # the usual list: a tile of half the size costs half
+        _pairwise(p_out, p_cand, CAND, want, c, K, BLOCK_C // 2)
+    elif listed & (c <= BLOCK_C):
+        _pairwise(p_out, p_cand, CAND, want, c, K, BLOCK_C)
     else:
         _radix_finish(p_row, p_out, p_cand, CAND, listed, start, end, t, k_max, lo, scale, d, want, c,
                       K, NBINS, BLOCK)
+
+
+@triton.jit
+def _pairwise(p_out, p_cand, CAND, want, c, K, BLOCK_C: tl.constexpr):
+    """The c <= BLOCK_C listed keys ranked by comparing all pairs; rank r < want to K - want + r."""
+    o = tl.arange(0, BLOCK_C)
+    m = o < c
+    col = tl.load(p_cand + o, mask=m, other=0)
+    key = tl.load(p_cand + CAND + o, mask=m, other=0).to(tl.uint32, bitcast=True)
+    above = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (o[None, :] < o[:, None]))
+    rank = tl.sum((above & m[None, :]).to(tl.int32), axis=1)
+    tl.store(p_out + K - want + rank, col, mask=m & (rank < want))
 
 
 @triton.jit
