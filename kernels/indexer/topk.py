@@ -192,14 +192,12 @@ def _narrow(hist, prefix, known, want, shift):
 
 
 @triton.jit
-def _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, c, K,
-                  n_gt, n_eq, NBINS: tl.constexpr, BLOCK: tl.constexpr):
+def _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+                  n_gt, n_eq, TO: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr):
     """Columns [lo_c, hi_c) of keys >= t: those in buckets above d to output slots n_gt.., those in
-    bucket d (c keys; their rank among the row's from n_eq) to slots K - want + rank when the
-    bucket is taken whole (c == want), else to the candidate list when it fits (columns, then
-    their keys CAND further), else nowhere (the last stage reads the row again)."""
-    whole = c == want
-    listed = (c <= CAND) & (c != want)
+    bucket d (their rank among the row's from n_eq) to slots K - want + rank when TO == 1 (the
+    bucket is taken whole), to the candidate list when TO == 2 (columns, then their keys CAND
+    further), nowhere when TO == 0."""
     o_b = tl.arange(0, BLOCK)
     for c0 in range(lo_c, hi_c, BLOCK):
         o_c = c0 + o_b
@@ -213,13 +211,16 @@ def _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, s
         col = (o_c - start).to(tl.int32)
         # one scan ranks both: keys above in the low 16 bits, the bucket's in the high
         both = tl.cumsum(m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16), axis=0)
-        r_eq = n_eq + (both >> 16) - 1
         tl.store(p_out + n_gt + (both & 0xFFFF) - 1, col, mask=m_gt)
-        tl.store(p_out + K - want + r_eq, col, mask=m_eq & whole)
-        tl.store(p_cand + r_eq, col, mask=m_eq & listed)
-        tl.store(p_cand + CAND + r_eq, key.to(tl.int32, bitcast=True), mask=m_eq & listed)
         n_gt += tl.sum(m_gt.to(tl.int32), axis=0)
-        n_eq += tl.sum(m_eq.to(tl.int32), axis=0)
+        if TO != 0:
+            r_eq = n_eq + (both >> 16) - 1
+            if TO == 1:
+                tl.store(p_out + K - want + r_eq, col, mask=m_eq)
+            else:
+                tl.store(p_cand + r_eq, col, mask=m_eq)
+                tl.store(p_cand + CAND + r_eq, key.to(tl.int32, bitcast=True), mask=m_eq)
+            n_eq += tl.sum(m_eq.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -336,9 +337,16 @@ def topk_per_row_kernel(
         hist = _row_buckets(p_row, start, end, t, k_max, lo, scale, NBINS, BLOCK)
         d, want, c = _pick(hist, K, NBINS)
         zero = tl.zeros([], tl.int32)
-        _bucket_write(p_row, p_out, p_cand, CAND, start, end, start, t, k_max, lo, scale, d, want, c, K,
-                      zero, zero, NBINS, BLOCK)
-        if c != want:
+        if c == want:
+            _bucket_write(p_row, p_out, p_cand, CAND, start, end, start, t, k_max, lo, scale, d, want, K,
+                          zero, zero, 1, NBINS, BLOCK)
+        else:
+            if c <= CAND:
+                _bucket_write(p_row, p_out, p_cand, CAND, start, end, start, t, k_max, lo, scale, d, want,
+                              K, zero, zero, 2, NBINS, BLOCK)
+            else:
+                _bucket_write(p_row, p_out, p_cand, CAND, start, end, start, t, k_max, lo, scale, d, want,
+                              K, zero, zero, 0, NBINS, BLOCK)
             tl.debug_barrier()  # the candidate list, written by every thread, read by every thread
             _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K, CAND,
                     NBINS, BLOCK, BLOCK_C)
@@ -429,8 +437,15 @@ def topk_split_write_kernel(
         lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
         p_row = logits_ptr + i_r * stride_lr
         p_cand = cand_ptr + i_r * (2 * CAND)
-        _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, c, K,
-                      n_gt, ge_d - n_gt, NBINS, BLOCK)
+        if c == want:
+            _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+                          n_gt, ge_d - n_gt, 1, NBINS, BLOCK)
+        elif c <= CAND:
+            _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+                          n_gt, ge_d - n_gt, 2, NBINS, BLOCK)
+        else:
+            _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
+                          n_gt, ge_d - n_gt, 0, NBINS, BLOCK)
 
 
 @triton.jit
