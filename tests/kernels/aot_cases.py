@@ -229,7 +229,7 @@ def indexer_cases():
     logits = torch.zeros(4, 4096)
     yield "topk_per_row", lambda: topk_per_row(logits, _ints(4, hi=4096), 2048, starts=_ints(4))
     yield "decode_topk", lambda: decode_topk(logits, _ints(2, hi=4096), 2, 2048)
-    # rows split over programs: the histogram passes (atomics), count and write kernels
+    # rows split over programs: the bound, bucket (atomics), write and last-step kernels
     yield "decode_topk-split", lambda: decode_topk(torch.zeros(2, 16384), _ints(2, hi=16384), 1, 2048,
                                                    row_programs=4)
 
