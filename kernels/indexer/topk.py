@@ -17,8 +17,8 @@ over the fp32 logits and their order-preserving uint32 keys (NaN above +inf):
      pairs (one step), else an 8-bit radix select over their 32-bit keys (from the list, or from
      the row when it did not fit); those above the k-th key and the first of its ties in column
      order are written.
-With the bound from stage 1 the bucket of the k-th key holds a few dozen keys for the rows the
-indexer gives, so stages 2-4 are one histogram pass and one write pass over the row.
+With the bound from stage 1 the k-th key's bucket holds tens to hundreds of keys for logits rows
+without heavy ties, so stages 2-4 read the row twice (one histogram pass, one write pass).
 
 Two ways to run it, one result (slot for slot):
   * one program a row (topk_per_row_kernel), when the rows alone fill the GPU (prefill chunks)
