@@ -181,14 +181,10 @@ def _narrow(hist, prefix, known, want, shift):
     bits set in `known`), of which `want` are still to be taken. Returns the prefix grown by the
     digit of the k-th key, the keys still wanted inside it, and whether they are all of its keys
     (then the later digits are not needed)."""
-    o_bin = tl.arange(0, 256)
-    ge = tl.cumsum(hist, axis=0, reverse=True)
-    d = tl.max(tl.where(ge >= want, o_bin, -1), axis=0)
-    want -= tl.sum(tl.where(o_bin > d, hist, 0), axis=0)
-    done = want == tl.sum(tl.where(o_bin == d, hist, 0), axis=0)
+    d, want, n_d = _pick(hist, want, 256)
     prefix |= d.to(tl.uint32) << shift
     known |= tl.full([], 0xFF, tl.uint32) << shift
-    return prefix, known, want, done
+    return prefix, known, want, want == n_d
 
 
 @triton.jit
