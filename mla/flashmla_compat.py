@@ -43,7 +43,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from openmla.kernels.device import arch_of
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+from openmla.kernels.sparse_mla_decode.op import flashmla_plan, run_plan
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from openmla.quant.validate import CheckedCalls, check_scale, check_tensor, fail, tensor_signature
 from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA
@@ -207,11 +209,13 @@ def flash_mla_with_kvcache(
         except (AttributeError, TypeError):
             sig = hit = None
         if hit is not None and meta.config is hit[1]:
-            # this signature passed every check below with this metadata object
-            fmt = hit[0]
+            # this signature passed every check below, and the op's, with this metadata object
+            fmt, plan = hit[0], hit[2]
             scale = (fmt.head_dim ** -0.5 if softmax_scale is None
                      else check_scale("softmax_scale", softmax_scale))
-            return _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, {})
+            if plan is None:
+                return _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, {})
+            return _decode_planned(plan, q, k_cache, indices, topk_length, attn_sink, scale, fmt)
     # first: a bool here is the README's positional (is_causal, is_fp8_kvcache, indices) mix-up
     if isinstance(softmax_scale, bool):
         fail("softmax_scale", "a finite float or None (FlashMLA's README example passes is_causal, "
@@ -271,13 +275,16 @@ def flash_mla_with_kvcache(
                      # extra_topk named, not -1: with b * s_q == 0 a -1 could be any size
                      extra_indices=extra_indices_in_kvcache.reshape(T, extra_indices_in_kvcache.shape[-1]),
                      extra_topk_length=_per_token(extra_topk_length, s_q))
-    elif sig is not None:
-        _CHECKED.remember(sig, (fmt, meta.config))
-    return _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra)
+    result = _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra)
+    if sig is not None and not extra:  # remembered once the op's checks passed too
+        _CHECKED.remember(sig, (fmt, meta.config, _plan(q, k_cache, indices, topk_length, attn_sink, fmt),
+                                arch_of(q.device)))
+    return result
 
 
-# call signature -> (format, the metadata's config) of decode calls without an extra cache that
-# passed flash_mla_with_kvcache's checks
+# call signature -> (format, the metadata's config, the op's launch plan or None, the architecture
+# the signature names by id) of decode calls without an extra cache that passed
+# flash_mla_with_kvcache's checks and the op's
 _CHECKED = CheckedCalls()
 
 
@@ -291,8 +298,32 @@ def _decode_signature(q, k_cache, indices, topk_length, attn_sink, head_dim_v, m
     if type(causal) is not bool or type(is_fp8_kvcache) is not bool:
         raise TypeError("causal / is_fp8_kvcache: not a bool")
     sig = tensor_signature
-    return (sig(q), sig(k_cache), sig(indices), sig(topk_length), sig(attn_sink), head_dim_v,
-            type(meta), num_splits is None, type(softmax_scale), causal, is_fp8_kvcache)
+    arch = arch_of(q.device)  # and the cache's alignment: what the op's plan depends on beyond these
+    return (sig(q), sig(k_cache), k_cache.data_ptr() & 15 == 0, sig(indices), sig(topk_length),
+            sig(attn_sink), head_dim_v, type(meta), num_splits is None, type(softmax_scale), causal,
+            is_fp8_kvcache, id(arch), arch.gluon_sm90)
+
+
+def _plan(q, k_cache, indices, topk_length, attn_sink, fmt):
+    """The op's launch plan for these checked inputs, its kernels writing FlashMLA's +inf lse
+    marker; None where the op has no plan to reuse (MODEL1, or no query)."""
+    b, s_q, h_q, d = q.shape
+    if getattr(fmt, "blocked", False) or b * s_q == 0:
+        return None
+    T = b * s_q
+    return flashmla_plan(q.reshape(T, h_q, d), _as_cache(k_cache), indices.reshape(T, indices.shape[-1]),
+                         _per_token(topk_length, s_q), attn_sink, fmt)
+
+
+def _decode_planned(plan, q, k_cache, indices, topk_length, attn_sink, scale, fmt):
+    """_decode through the op's remembered plan (a call of a signature that passed every check):
+    its kernels write the +inf marker, so the lse needs no second pass."""
+    b, s_q, h_q, d = q.shape
+    T = b * s_q
+    out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
+    lse = run_plan(plan, q.reshape(T, h_q, d), _as_cache(k_cache), indices.reshape(T, indices.shape[-1]),
+                   _per_token(topk_length, s_q), attn_sink, out.view(T, h_q, D_V), scale, fmt)
+    return out, lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
 
 
 def _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra):

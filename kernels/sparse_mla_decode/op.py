@@ -74,9 +74,10 @@ def _partials(lse, num_splits, fmt, always=False):
             torch.empty((T, num_splits, H), dtype=torch.float32, device=lse.device))
 
 
-def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
+def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits, inf_empty=False):
     """(kernel launcher, grid, the int arguments before q's strides, the cache's row strides,
-    constexprs, splits, the merge's grid and constexprs, a number no other plan has)."""
+    constexprs, splits, the merge's grid and constexprs, a number no other plan has).
+    inf_empty: a row without a valid index gets lse = +inf (FlashMLA's marker) instead of -inf."""
     T, H, _ = q.shape
     topk = indices.shape[1]
     is_fp8 = fmt.quantized
@@ -106,9 +107,9 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     consts = dict(DENSE=dense, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
                   SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n, TILE=fmt.latent_dim // _TILES,
                   ROPE=fmt.rope_dim, SCALE_OFF=fmt.scale_offset if is_fp8 else 0,
-                  ROPE_OFF=fmt.rope_offset)
+                  ROPE_OFF=fmt.rope_offset, INF_EMPTY=inf_empty and not split)  # (split: the merge)
     grid = (T * num_hb, num_splits)
-    merge = _merge_plan(T, H, num_splits, attn_sink is not None, fmt, num_sms(q.device))
+    merge = _merge_plan(T, H, num_splits, attn_sink is not None, fmt, num_sms(q.device), inf_empty)
     pid = next(_PLAN_IDS)
     if sm90:
         return (_SM90, grid, ints, (stride_cb, stride_cr), dict(consts, num_warps=_sm90.NUM_WARPS),
@@ -124,21 +125,30 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     return _TRITON, grid, ints, (stride_cb, stride_cr), consts, num_splits, merge, pid
 
 
-def _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
+def _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits, inf_empty=False):
     """What a launch plan depends on: shapes, cache strides and alignment, the format, the
-    optional inputs, a pinned config or split count, and the device's path and e4m3 mode (which
-    follow the device, or an assumed one: kernels.device.assume)."""
+    optional inputs, a pinned config or split count, the empty row's lse, and the device's path
+    and e4m3 mode (which follow the device, or an assumed one: kernels.device.assume)."""
     num_blocks, block_size, _ = cache.shape
     arch = arch_of(q.device)
     return (q.device, q.shape[0], q.shape[1], indices.shape[1], fmt, cache.dtype, num_blocks,
             block_size, cache.stride(0), cache.stride(1), cache.data_ptr() & 15 == 0,
             topk_length is None, attn_sink is None,
-            tuple(sorted(config.items())) if config else None, num_splits, arch.gluon_sm90, arch)
+            tuple(sorted(config.items())) if config else None, num_splits, inf_empty, arch.gluon_sm90,
+            arch)
 
 
-def _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, config, num_splits):
+def _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, config, num_splits, inf_empty=False):
     return _PLANS.get(key) or _new_plan(key, _plan_launch, q, cache, indices, topk_length,
-                                        attn_sink, fmt, config, num_splits)
+                                        attn_sink, fmt, config, num_splits, inf_empty)
+
+
+def flashmla_plan(q, cache, indices, topk_length, attn_sink, fmt):
+    """The launch plan of a call that passed sparse_mla_decode's checks (a fp8_ds_mla or bf16
+    cache, no extra cache, T >= 1) whose rows without a valid index get lse = +inf, FlashMLA's
+    marker: mla.flashmla_compat runs it with `run_plan` on later calls of the same signature."""
+    key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, None, None, True)
+    return _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, None, None, True)
 
 
 def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, config=None, num_splits=None):
@@ -148,10 +158,10 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
         return torch.empty((0, q.shape[1]), dtype=torch.float32, device=q.device)
     key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits)
     plan = _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, config, num_splits)
-    return _execute(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
+    return run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
 
 
-def _execute(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt):
+def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt):
     """One launch of `plan` (and its merge) on validated inputs with T >= 1; returns lse. The
     plan's number with q's, indices' and out's strides keys the launch when every pointer is
     16-byte aligned."""
@@ -180,11 +190,11 @@ def _execute(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt):
     return lse
 
 
-def _merge_plan(T, H, num_splits, has_sink, fmt, sms):
+def _merge_plan(T, H, num_splits, has_sink, fmt, sms, inf_empty=False):
     """The merge kernel's grid and constexprs."""
     block_s, block_h, _ = parts_tile(T, H, fmt.latent_dim, num_splits, sms)
     return (T, triton.cdiv(H, block_h)), dict(HAS_SINK=has_sink, BLOCK_S=block_s, BLOCK_H=block_h,
-                                              DV=fmt.latent_dim, num_warps=4)
+                                              DV=fmt.latent_dim, INF_EMPTY=inf_empty, num_warps=4)
 
 
 def _merge(po, plse, attn_sink, out, lse, fmt, key, plan=None):
@@ -429,7 +439,7 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
             scale = check_scale("scale", scale)
             if out is None:
                 out = torch.empty((q.shape[0], q.shape[1], fmt.latent_dim), dtype=q.dtype, device=q.device)
-            return out, _execute(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
+            return out, run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, last_dim_contiguous=True)
     T, H, d_qk = q.shape
     fmt_arg = fmt
@@ -480,7 +490,7 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         # (the signature names the format argument and the architecture by identity: the entry
         # keeps both alive, so no other object takes their ids while it exists)
         _VALIDATED.remember(sig, (fmt, plan, fmt_arg, arch_of(q.device)))
-        lse = _execute(plan, q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
+        lse = run_plan(plan, q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
     else:
         lse = _run(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt, extra_cache,
                    extra_indices, extra_topk_length)

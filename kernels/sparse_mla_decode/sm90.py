@@ -113,7 +113,7 @@ if _GLUON:
         qk_scale,
         DENSE: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr, ROPE: gl.constexpr,
-        SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
+        SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, INF_EMPTY: gl.constexpr,
     ):
         D_LAT: gl.constexpr = 4 * TILE
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
@@ -275,4 +275,6 @@ if _GLUON:
             gl.store(p_o + 1 * TILE, (b_o1 * inv_o[:, None]).to(ty), mask=m_ho)
             gl.store(p_o + 2 * TILE, (b_o2 * inv_o[:, None]).to(ty), mask=m_ho)
             gl.store(p_o + 3 * TILE, (b_o3 * inv_o[:, None]).to(ty), mask=m_ho)
+            if INF_EMPTY:  # FlashMLA's lse for a row without a valid index
+                b_lse = gl.where(b_lse == float("-inf"), float("inf"), b_lse)
             gl.store(lse_ptr + i_t64 * H + o_hs, b_lse, mask=m_hs)

@@ -323,7 +323,7 @@ if _GLUON:
         qk_scale,
         DENSE: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr, ROPE: gl.constexpr,
-        SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, BS_SHIFT: gl.constexpr,
+        SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, BS_SHIFT: gl.constexpr, INF_EMPTY: gl.constexpr,
     ):
         gl.static_assert(BLOCK_N == 128)
         gl.static_assert(TILE == 128)
@@ -403,4 +403,6 @@ if _GLUON:
         else:
             p_o = out_ptr + i_t64 * stride_ot + o_hs[None, :] * stride_oh + o_d[:, None]
             gl.store(p_o, gl.convert_layout(b_o.to(out_ptr.dtype.element_ty), ST_L), mask=m_hs[None, :])
+            if INF_EMPTY:  # FlashMLA's lse for a row without a valid index
+                b_lse = gl.where(b_lse == float("-inf"), float("inf"), b_lse)
             gl.store(lse_ptr + i_t64 * H + o_h, b_lse, mask=m_h)

@@ -72,6 +72,7 @@ def sparse_mla_decode_kernel(
     FP8: tl.constexpr, E4M3: tl.constexpr, DENSE: tl.constexpr, HAS_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE: tl.constexpr, ROPE: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr,
+    INF_EMPTY: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -208,6 +209,8 @@ def sparse_mla_decode_kernel(
         tl.store(p_o + 1 * TILE, (b_o1 * b_inv[:, None]).to(ty), mask=m_h[:, None])
         tl.store(p_o + 2 * TILE, (b_o2 * b_inv[:, None]).to(ty), mask=m_h[:, None])
         tl.store(p_o + 3 * TILE, (b_o3 * b_inv[:, None]).to(ty), mask=m_h[:, None])
+        if INF_EMPTY:  # FlashMLA's lse for a row without a valid index
+            b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse)
         tl.store(lse_ptr + i_t64 * H + o_h, b_lse, mask=m_h)
 
 
@@ -216,6 +219,7 @@ def sparse_mla_decode_merge_kernel(
     po_ptr, plse_ptr, sink_ptr, out_ptr, lse_ptr,
     H, NUM_SPLITS, stride_ot, stride_oh,
     HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr,
+    INF_EMPTY: tl.constexpr,
 ):
     """Merge the NUM_SPLITS normalized partials (out_s, lse_s) of one token and head block,
     BLOCK_S of them a step (their loads issued together: kernels.merge.merge_parts)."""
@@ -240,4 +244,6 @@ def sparse_mla_decode_merge_kernel(
         b_o = b_o * sink_factor(sink_ptr, o_h, m_h, b_lse)[:, None]
     tl.store(out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :],
              b_o.to(out_ptr.dtype.element_ty), mask=m_h[:, None])
+    if INF_EMPTY:  # FlashMLA's lse for a row without a valid index
+        b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse)
     tl.store(lse_ptr + i_t * H + o_h, b_lse, mask=m_h)

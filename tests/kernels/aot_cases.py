@@ -19,6 +19,7 @@ from openmla.kernels.merge import merge_attn_states
 from openmla.kernels.paged_attention import paged_attention, varlen_attention
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
+from openmla.mla.flashmla_compat import flash_mla_with_kvcache, get_mla_metadata
 from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
 from openmla.quant.indexer_cache import write_indexer_k_cache
 from openmla.quant.int8 import quantize_per_channel, quantize_per_token_head
@@ -58,6 +59,20 @@ def _decode_model1(T, H, *, extra):
     return lambda: sparse_mla_decode(q, cache, _ints(T, 128), scale=0.1, **opt)
 
 
+def _compat(b, H):
+    """flash_mla_with_kvcache twice: the first call runs the op, the second the op's remembered
+    plan, whose kernels write FlashMLA's +inf lse for an empty row (the INF_EMPTY constexpr)."""
+    cache = torch.zeros(8, 64, 1, FP8_DS_MLA.row_width, dtype=torch.uint8)
+    q = torch.zeros(b, 1, H, 576, dtype=BF16)
+    idx = _ints(b, 1, 2048)
+    meta = get_mla_metadata()[0]
+
+    def run():
+        for _ in range(2):
+            flash_mla_with_kvcache(q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+    return run
+
+
 def _prefill(T, H, topk, *, extras, d_qk=576):
     """sparse_mla_prefill over rows of d_qk 576 (V3.2) or 512 (V4: the Triton kernel on every GPU)."""
     q = torch.zeros(T, H, d_qk, dtype=BF16)
@@ -76,6 +91,8 @@ def sparse_cases():
     for H, T, extra in itertools.product((16, 64, 128), (1, 64), (False, True)):
         yield f"decode-fp8_model1-H{H}-T{T}{'-extra-len-sink' if extra else ''}", \
             _decode_model1(T, H, extra=extra)
+    for H, b in ((16, 1), (16, 64), (64, 64)):  # T = 1 splits the top-k (the merge writes lse)
+        yield f"flashmla_compat-H{H}-T{b}", _compat(b, H)
     for H, extras in itertools.product((16, 32, 64, 128), (False, True)):
         yield f"prefill-H{H}{'-len-sink' if extras else ''}", _prefill(4, H, 2048, extras=extras)
     for H in (16, 32, 64, 128):
@@ -238,7 +255,8 @@ def indexer_cases():
 # shared memory, which the per-target budgets prune: 64-head prefill blocks, long-query MHA
 # tiles; NVIDIA-only options such as maxnreg) and the small kernels. EXTRA adds, on sm_80 and on
 # sm_90 (where it reaches the Gluon kernels CORE does not), the remaining kernels and branches
-# (the second decode config, 16-head prefill blocks, int8_qk, the bf16 MLA writer). The full
+# (the second decode config, 16-head prefill blocks, int8_qk, the bf16 MLA writer, the FlashMLA
+# marker of flash_mla_with_kvcache's repeated calls). The full
 # set (`full=True`) runs every class on every target.
 CORE = (
     "decode-fp8_ds_mla-H16-T1-len-sink-strided", "decode-fp8_model1-H64-T1-extra-len-sink",
@@ -254,7 +272,7 @@ EXTRA = (
     "prefill-H32",  # sm_90: the keys-on-M kernel with token flags and their passes (kv_row_faults, token_faults)
     "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "decode-fp8_model1-H16-T64", "prefill-H16", "write_mla_cache-bf16",
     "paged-gqa4-d128-spec4-float16-int8_qk", "paged-mha-d64-sinks-window-prefill-bfloat16-same",
-    "varlen-H16-Hkv16-D64",
+    "varlen-H16-Hkv16-D64", "flashmla_compat-H16-T1", "flashmla_compat-H16-T64", "flashmla_compat-H64-T64",
 )
 EXTRA_ARCHES = ("sm_80", "sm_90")
 

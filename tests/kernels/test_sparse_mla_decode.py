@@ -310,7 +310,7 @@ def test_sm90_kernel_compiles():
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_decode.sm90", "sparse_mla_decode_sm90_kernel",
         dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_H=sm90.BLOCK_H,
-             BLOCK_N=sm90.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528),
+             BLOCK_N=sm90.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528, INF_EMPTY=False),
         ["*bf16", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90.NUM_WARPS)
     assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 64, got
     # wgmma, and 16-byte asynchronous gathers only (latent bytes and rope, before and in the loop)
@@ -329,7 +329,7 @@ def test_sm90_kn_kernel_compiles(block_h):
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_decode.sm90_kn", "sparse_mla_decode_sm90_kn_kernel",
         dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_H=block_h,
-             BLOCK_N=sm90_kn.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528, BS_SHIFT=6),
+             BLOCK_N=sm90_kn.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=512, ROPE_OFF=528, BS_SHIFT=6, INF_EMPTY=False),
         ["*bf16", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90_kn.NUM_WARPS)
     assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 192, got
     # rope + 4 x 8 score steps + 8 value steps of 4 M-repetitions (twice that where V^T is an fp16

@@ -166,6 +166,47 @@ def test_decode_matches_oracle(b, s_q, h_q, topk, num_blocks, block_size, fp8, f
         assert bool((out[:, :, 0] == 0).all())
 
 
+REPEAT = [  # b, s_q, h_q, topk, fp8, split: whether the CPU's 8 SMs split the top-k over programs
+    pytest.param(2, 2, 5, 19, True, False, id="fp8-one-split"),
+    pytest.param(2, 1, 16, 700, True, True, id="fp8-splits"),
+    pytest.param(3, 1, 16, 40, False, False, id="bf16-one-split"),
+]
+
+
+@pytest.mark.parametrize("b,s_q,h_q,topk,fp8,split", REPEAT)
+def test_repeated_decode_writes_the_marker_in_the_kernels(b, s_q, h_q, topk, fp8, split, monkeypatch):
+    """A repeated call of a signature that passed the checks runs the op's remembered plan, whose
+    kernels (the decode kernel, or the merge after a split) write FlashMLA's +inf for an empty row:
+    no second pass over lse, the same out and lse as the first call, a NaN fault kept."""
+    a = make_decode(b=b, s_q=s_q, h_q=h_q, topk=topk, num_blocks=12, block_size=64, fp8=fp8,
+                    empty=(0,), seed=topk)
+    a["q"][b - 1, s_q - 1, 1, 7] = float("nan")  # a fault in the last query's second head
+    meta, _ = get_mla_metadata()
+
+    def call():
+        return flash_mla_with_kvcache(a["q"], a["k_cache"], None, None, 512, meta, softmax_scale=0.07,
+                                      is_fp8_kvcache=fp8, indices=a["indices"])
+
+    first_out, first_lse = call()  # every check, the op, lse converted; the plan remembered
+
+    def second_pass(*args, **kwargs):
+        raise AssertionError("a repeated call converted lse in a second pass")
+
+    monkeypatch.setattr(torch.Tensor, "nan_to_num_", second_pass)
+    out, lse = call()
+    plans = [entry[2] for entry in flashmla_compat._CHECKED.values() if entry[2] is not None]
+    assert plans and (plans[-1][5] > 1) == split  # the remembered plan's split count
+    torch.testing.assert_close(out, first_out, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lse, first_lse, rtol=0, atol=0, equal_nan=True)
+    assert bool((lse[0, :, 0] == INF).all()) and bool((out[0, 0] == 0).all())  # the empty query
+    assert bool(lse[b - 1, 1, s_q - 1].isnan()) and bool(out[b - 1, s_q - 1, 1].isnan().all())
+    want, want_lse = decode_ref(a, scale=0.07)
+    keep = torch.ones(b, s_q, h_q, dtype=torch.bool)
+    keep[b - 1, s_q - 1, 1] = False  # the oracle's NaN row is checked above
+    assert_close("out", out[keep], want[keep], "sparse_decode")
+    assert_close("lse", lse.transpose(1, 2)[keep], want_lse.transpose(1, 2)[keep], "lse")
+
+
 def test_decode_metadata_reuse_checked():
     a = make_decode(b=1, s_q=1, h_q=3, topk=9, num_blocks=2, block_size=8, seed=3)
     meta, _ = get_mla_metadata(a["cache_seqlens"], 3, 1, 3, True, 9)  # README-style hints
