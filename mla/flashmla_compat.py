@@ -323,6 +323,8 @@ def _decode_planned(plan, q, k_cache, indices, topk_length, attn_sink, scale, fm
     out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
     lse = run_plan(plan, q.reshape(T, h_q, d), _as_cache(k_cache), indices.reshape(T, indices.shape[-1]),
                    _per_token(topk_length, s_q), attn_sink, out.view(T, h_q, D_V), scale, fmt)
+    if s_q == 1:  # [b, h_q, 1] is [T, H]'s memory as it is
+        return out, lse.view(b, h_q, 1)
     return out, lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
 
 
