@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openmla.kernels.launch import FastLaunch
+from openmla.kernels.launch import FastLaunch, next_pow2
 from openmla.quant.validate import CheckedCalls, check_same_device, check_tensor, fail, tensor_signature
 
 _INT32_MAX = 2**31 - 1
@@ -76,7 +76,7 @@ _KERNEL = FastLaunch(convert_req_index_to_global_kernel)
 
 def _launch(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens, out, counts):
     T, K = token_indices.shape
-    block_k = min(1024, 1 << (max(K, 16) - 1).bit_length())  # next power of two (host arithmetic)
+    block_k = min(1024, next_pow2(max(K, 16)))
     dummy = out  # never dereferenced when the matching constexpr flag is off
     args = (req_id, block_table, token_indices, out,
             counts if counts is not None else dummy,

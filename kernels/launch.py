@@ -26,7 +26,19 @@ try:
 except ImportError:  # a Triton without the interpreter
     InterpretedFunction = None
 
-__all__ = ["FastLaunch"]
+__all__ = ["FastLaunch", "cdiv", "next_pow2"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host ints: what triton.cdiv returns, without its constexpr-function
+    wrapper (about 3 us a call on the host; this costs ~0.1 us)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): triton.next_power_of_2 for host ints,
+    without its wrapper's cost."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 _MAX_ENTRIES = 4096
 

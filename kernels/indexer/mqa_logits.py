@@ -15,6 +15,7 @@ import triton.language as tl
 
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.device import arch_of, num_sms
+from openmla.kernels.launch import cdiv, next_pow2
 from openmla.quant.validate import check_same_device, check_tensor, fail
 from openmla.kernels.indexer._tile import (as_dot_operand, fp8_dot, load_query_block, operand_view,
                                            weighted_relu_logits)
@@ -137,8 +138,8 @@ def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale:
     sms = num_sms(q.device)
 
     def grid(meta):
-        m_blocks = triton.cdiv(T, meta["BLOCK_M"])
-        return m_blocks, max(1, min(triton.cdiv(S, meta["BLOCK_N"]), triton.cdiv(2 * sms, m_blocks)))
+        m_blocks = cdiv(T, meta["BLOCK_M"])
+        return m_blocks, max(1, min(cdiv(S, meta["BLOCK_N"]), cdiv(2 * sms, m_blocks)))
 
     k_scale = k_scale if k_scale.stride(0) == 1 else k_scale.contiguous()
     fp8 = fp8_dot(arch)
@@ -146,7 +147,7 @@ def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale:
         operand_view(q, fp8), weights, operand_view(k, fp8), k_scale, ks.contiguous(), ke.contiguous(), out,
         q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0),
         T, H, S,
-        HP=triton.next_power_of_2(H), D=D, CLEAN=clean_logits, FP8_DOT=fp8, E4M3=arch.e4m3,
+        HP=next_pow2(H), D=D, CLEAN=clean_logits, FP8_DOT=fp8, E4M3=arch.e4m3,
         ACC_STEP=_ACC_STEP,
     )
     return out

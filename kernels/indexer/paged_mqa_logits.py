@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from openmla.kernels.device import arch_of, num_sms
+from openmla.kernels.launch import cdiv, next_pow2
 from openmla.quant.indexer_cache import INDEXER_K_FP8, indexer_k_format_of
 from openmla.quant.validate import check_same_device, check_tensor, fail
 from openmla.kernels.indexer._tile import (as_dot_operand, fp8_dot, load_query_block, operand_view,
@@ -102,7 +103,7 @@ def paged_mqa_logits_kernel(
 def _splits(device, batch: int, tiles: int, waves: int) -> int:
     """Programs per request: about `waves` waves of the GPU over the whole batch, at most one per
     tile."""
-    return max(1, min(tiles, triton.cdiv(waves * num_sms(device), max(batch, 1))))
+    return max(1, min(tiles, cdiv(waves * num_sms(device), max(batch, 1))))
 
 
 def _tma_config(batch: int, next_n: int):
@@ -205,12 +206,12 @@ def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
     else:
         waves, stages = 2, 2
         k_desc = s_desc = None
-    tiles = triton.cdiv(max_model_len, block_n)
+    tiles = cdiv(max_model_len, block_n)
     splits = _splits(q.device, B, tiles, waves)
     ctx_b = context_lens.stride(0)
     ctx_n = context_lens.stride(1) if per_row else 0
-    HP = triton.next_power_of_2(H)
-    NP = max(triton.next_power_of_2(N), 16 // min(HP, 16))  # a dot needs >= 16 rows
+    HP = next_pow2(H)
+    NP = max(next_pow2(N), 16 // min(HP, 16))  # a dot needs >= 16 rows
     paged_mqa_logits_kernel[(B, splits)](
         operand_view(q, fp8), weights, operand_view(cache, fp8), cache.view(torch.float32),
         k_desc, s_desc, context_lens, block_table, out,

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from openmla.kernels.device import num_sms
+from openmla.kernels.launch import cdiv, next_pow2
 from openmla.quant.validate import check_same_device, check_tensor, fail
 
 __all__ = ["topk_per_row", "decode_topk"]
@@ -481,7 +482,7 @@ def _row_programs(device, R: int, L: int) -> int:
     the launches' latency outweighs the split), else enough parts of whole blocks to fill it."""
     if L < _SPLIT_MIN_COLUMNS:
         return 1
-    return max(1, min(triton.cdiv(L, _SPLIT_BLOCK), triton.cdiv(_PROGRAMS_PER_SM * num_sms(device), R)))
+    return max(1, min(cdiv(L, _SPLIT_BLOCK), cdiv(_PROGRAMS_PER_SM * num_sms(device), R)))
 
 
 def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block, row_programs):
@@ -499,7 +500,7 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     starts_arg = starts if starts is not None else ends
-    block_k = min(1024, triton.next_power_of_2(k))
+    block_k = min(1024, next_pow2(k))
     P = row_programs if row_programs is not None else _row_programs(logits.device, R, L)
     cand_len = max(1, min(L, _CANDIDATES))
     cand = torch.empty(R, 2, cand_len, dtype=torch.int32, device=logits.device)
@@ -513,7 +514,7 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
         )
         return out
     common.update(BLOCK=min(block, _SPLIT_BLOCK), num_warps=4)
-    block_p = triton.next_power_of_2(P)
+    block_p = next_pow2(P)
     stats = torch.empty(R, P, 3, dtype=torch.int32, device=logits.device)
     hist = torch.empty(R, _BUCKETS, dtype=torch.int32, device=logits.device)
     suffix = torch.empty(R, P, _BUCKETS, dtype=torch.int32, device=logits.device)

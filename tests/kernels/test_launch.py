@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openmla.kernels.launch import FastLaunch
+from openmla.kernels.launch import FastLaunch, cdiv, next_pow2
 from tests.helpers import DEVICE
 
 
@@ -75,3 +75,13 @@ def test_fast_launch_matches_and_specializes(tuned):
                 assert keys_seen == len(CASES)
             else:
                 assert len(fast._cache) == keys_seen  # the second round only hit the cache
+
+
+def test_host_arithmetic_equals_tritons():
+    """cdiv / next_pow2 (the launch paths' host arithmetic) return what triton.cdiv /
+    triton.next_power_of_2 return for every size a launch passes them."""
+    for n in list(range(1, 5000)) + [2 ** 20 - 1, 2 ** 20, 2 ** 20 + 1, 2 ** 31 - 1]:
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+    for a in list(range(0, 700)) + [2 ** 31 - 1, 2 ** 40 + 3]:
+        for b in (1, 2, 3, 16, 64, 127, 1024):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
