@@ -213,9 +213,7 @@ def flash_mla_with_kvcache(
             fmt, plan = hit[0], hit[2]
             scale = (fmt.head_dim ** -0.5 if softmax_scale is None
                      else check_scale("softmax_scale", softmax_scale))
-            if plan is None:
-                return _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, {})
-            return _decode_planned(plan, q, k_cache, indices, topk_length, attn_sink, scale, fmt)
+            return _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, {}, plan)
     # first: a bool here is the README's positional (is_causal, is_fp8_kvcache, indices) mix-up
     if isinstance(softmax_scale, bool):
         fail("softmax_scale", "a finite float or None (FlashMLA's README example passes is_causal, "
@@ -315,30 +313,23 @@ def _plan(q, k_cache, indices, topk_length, attn_sink, fmt):
                          _per_token(topk_length, s_q), attn_sink, fmt)
 
 
-def _decode_planned(plan, q, k_cache, indices, topk_length, attn_sink, scale, fmt):
-    """_decode through the op's remembered plan (a call of a signature that passed every check):
-    its kernels write the +inf marker, so the lse needs no second pass."""
+def _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra, plan=None):
+    """The decode on checked inputs over [b * s_q] tokens, FlashMLA's out and lse: through the
+    op (its lse's -inf turned into FlashMLA's +inf, NaN kept), or, for a signature that passed
+    every check before, through the op's remembered `plan`, whose kernels write the +inf."""
     b, s_q, h_q, d = q.shape
     T = b * s_q
     out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
-    lse = run_plan(plan, q.reshape(T, h_q, d), _as_cache(k_cache), indices.reshape(T, indices.shape[-1]),
-                   _per_token(topk_length, s_q), attn_sink, out.view(T, h_q, D_V), scale, fmt)
-    if s_q == 1:  # [b, h_q, 1] is [T, H]'s memory as it is
-        return out, lse.view(b, h_q, 1)
-    return out, lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
-
-
-def _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra):
-    """The decode on checked inputs: openmla's op over [b * s_q] tokens, FlashMLA's out and lse."""
-    b, s_q, h_q, d = q.shape
-    T = b * s_q
-    out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
-    _, lse = sparse_mla_decode(q.reshape(T, h_q, d), _as_cache(k_cache),
-                               indices.reshape(T, indices.shape[-1]), scale=scale,
-                               topk_length=_per_token(topk_length, s_q), attn_sink=attn_sink,
+    args = (q.reshape(T, h_q, d), _as_cache(k_cache), indices.reshape(T, indices.shape[-1]))
+    lengths = _per_token(topk_length, s_q)
+    if plan is not None:
+        lse = run_plan(plan, *args, lengths, attn_sink, out.view(T, h_q, D_V), scale, fmt)
+        if s_q == 1:  # [b, h_q, 1] is [T, H]'s memory as it is
+            return out, lse.view(b, h_q, 1)
+        return out, lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
+    _, lse = sparse_mla_decode(*args, scale=scale, topk_length=lengths, attn_sink=attn_sink,
                                out=out.view(T, h_q, D_V), fmt=fmt, **extra)
-    # [b, h_q, s_q] (a view when s_q = 1); FlashMLA's +inf for a row without a valid index, NaN kept
-    lse = lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
+    lse = lse.view(b, s_q, h_q).transpose(1, 2).contiguous()  # [b, h_q, s_q]
     return out, lse.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))
 
 
