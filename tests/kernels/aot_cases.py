@@ -59,17 +59,21 @@ def _decode_model1(T, H, *, extra):
     return lambda: sparse_mla_decode(q, cache, _ints(T, 128), scale=0.1, **opt)
 
 
-def _compat(b, H):
-    """flash_mla_with_kvcache twice: the first call runs the op, the second the op's remembered
-    plan, whose kernels write FlashMLA's +inf lse for an empty row (the INF_EMPTY constexpr)."""
-    cache = torch.zeros(8, 64, 1, FP8_DS_MLA.row_width, dtype=torch.uint8)
+def _compat(b, H, *, extras):
+    """flash_mla_with_kvcache twice: the first call runs the op (the launches of the decode case of
+    the same shape and options), the second the op's remembered plan, whose kernels write
+    FlashMLA's +inf lse for an empty row (the INF_EMPTY constexpr)."""
+    rows = 65 if extras else 64  # as _decode's strided cache with extras
+    cache = torch.zeros(8, rows, 1, FP8_DS_MLA.row_width, dtype=torch.uint8)[:, :64]
     q = torch.zeros(b, 1, H, 576, dtype=BF16)
     idx = _ints(b, 1, 2048)
     meta = get_mla_metadata()[0]
+    opt = dict(topk_length=_ints(b, hi=2048), attn_sink=torch.zeros(H)) if extras else {}
 
     def run():
         for _ in range(2):
-            flash_mla_with_kvcache(q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+            flash_mla_with_kvcache(q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
+                                   **opt)
     return run
 
 
@@ -91,8 +95,8 @@ def sparse_cases():
     for H, T, extra in itertools.product((16, 64, 128), (1, 64), (False, True)):
         yield f"decode-fp8_model1-H{H}-T{T}{'-extra-len-sink' if extra else ''}", \
             _decode_model1(T, H, extra=extra)
-    for H, b in ((16, 1), (16, 64), (64, 64)):  # T = 1 splits the top-k (the merge writes lse)
-        yield f"flashmla_compat-H{H}-T{b}", _compat(b, H)
+    for H, b, extras in ((16, 1, True), (16, 64, False), (64, 64, False)):  # T = 1 splits the top-k
+        yield f"flashmla_compat-H{H}-T{b}{'-len-sink-strided' if extras else ''}", _compat(b, H, extras=extras)
     for H, extras in itertools.product((16, 32, 64, 128), (False, True)):
         yield f"prefill-H{H}{'-len-sink' if extras else ''}", _prefill(4, H, 2048, extras=extras)
     for H in (16, 32, 64, 128):
@@ -255,9 +259,9 @@ def indexer_cases():
 # shared memory, which the per-target budgets prune: 64-head prefill blocks, long-query MHA
 # tiles; NVIDIA-only options such as maxnreg) and the small kernels. EXTRA adds, on sm_80 and on
 # sm_90 (where it reaches the Gluon kernels CORE does not), the remaining kernels and branches
-# (the second decode config, 16-head prefill blocks, int8_qk, the bf16 MLA writer, the FlashMLA
-# marker of flash_mla_with_kvcache's repeated calls). The full
-# set (`full=True`) runs every class on every target.
+# (the second decode config, 16-head prefill blocks, int8_qk, the bf16 MLA writer); SM90_EXTRA
+# the FlashMLA marker of flash_mla_with_kvcache's repeated calls. The full set (`full=True`)
+# runs every class on every target.
 CORE = (
     "decode-fp8_ds_mla-H16-T1-len-sink-strided", "decode-fp8_model1-H64-T1-extra-len-sink",
     "prefill-H64-len-sink", "prefill-d512-H64-len-sink",
@@ -272,19 +276,23 @@ EXTRA = (
     "prefill-H32",  # sm_90: the keys-on-M kernel with token flags and their passes (kv_row_faults, token_faults)
     "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "decode-fp8_model1-H16-T64", "prefill-H16", "write_mla_cache-bf16",
     "paged-gqa4-d128-spec4-float16-int8_qk", "paged-mha-d64-sinks-window-prefill-bfloat16-same",
-    "varlen-H16-Hkv16-D64", "flashmla_compat-H16-T1", "flashmla_compat-H16-T64", "flashmla_compat-H64-T64",
+    "varlen-H16-Hkv16-D64",
 )
 EXTRA_ARCHES = ("sm_80", "sm_90")
+# sm_90 only: FlashMLA's +inf marker in the kernels a repeated flash_mla_with_kvcache call runs
+# (both Gluon kernels and, in the OPENMLA_SM90_GLUON=0 pass, the Triton kernel and the merge)
+SM90_EXTRA = ("flashmla_compat-H16-T1-len-sink-strided", "flashmla_compat-H16-T64", "flashmla_compat-H64-T64")
 
 
 def cases(full: bool, arch_name: str):
     """(id, thunk) of every standard shape class (full), or of the default set for this target."""
-    pick = set(CORE) | (set(EXTRA) if arch_name in EXTRA_ARCHES else set())
+    pick = set(CORE) | (set(EXTRA) if arch_name in EXTRA_ARCHES else set()) \
+        | (set(SM90_EXTRA) if arch_name == "sm_90" else set())
     found = set()
     for group in (sparse_cases, cache_cases, mha_cases, mha_cache_cases, misc_cases, indexer_cases):
         for case_id, thunk in group():
             found.add(case_id)
             if full or case_id in pick:
                 yield case_id, thunk
-    missing = (set(CORE) | set(EXTRA)) - found
+    missing = (set(CORE) | set(EXTRA) | set(SM90_EXTRA)) - found
     assert not missing, f"CORE / EXTRA name cases that do not exist: {sorted(missing)}"
