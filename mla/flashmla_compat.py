@@ -201,7 +201,9 @@ def flash_mla_with_kvcache(
     """
     meta = tile_scheduler_metadata
     sig = None
-    if extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None:
+    # (torch.compile traces the op's registered custom op: the checks below, then _decode)
+    if extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None \
+            and not torch.compiler.is_compiling():
         try:
             sig = _decode_signature(q, k_cache, indices, topk_length, attn_sink, head_dim_v, meta,
                                     num_splits, softmax_scale, causal, is_fp8_kvcache)

@@ -207,6 +207,30 @@ def test_repeated_decode_writes_the_marker_in_the_kernels(b, s_q, h_q, topk, fp8
     assert_close("lse", lse.transpose(1, 2)[keep], want_lse.transpose(1, 2)[keep], "lse")
 
 
+def test_compiled_repeated_call_goes_through_the_custom_op(monkeypatch):
+    """After eager calls remembered the signature (and the op's plan), a call traced by
+    torch.compile still reaches the op's registered custom op, with the eager result."""
+    from openmla.kernels.sparse_mla_decode import op as decode_op
+    a = make_decode(b=2, s_q=1, h_q=3, topk=9, num_blocks=2, block_size=8, empty=(0,), seed=3)
+    meta, _ = get_mla_metadata()
+
+    def call(q, k_cache, indices):
+        return flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, softmax_scale=0.1,
+                                      is_fp8_kvcache=True, indices=indices)
+
+    call(a["q"], a["k_cache"], a["indices"])
+    want_out, want_lse = call(a["q"], a["k_cache"], a["indices"])  # the planned route
+    calls = []
+    real = decode_op._sparse_mla_decode_op
+    monkeypatch.setattr(decode_op, "_sparse_mla_decode_op", lambda *x: calls.append(1) or real(*x))
+    torch._dynamo.reset()
+    out, lse = torch.compile(call, backend="eager")(a["q"], a["k_cache"], a["indices"])
+    torch._dynamo.reset()
+    assert calls, "torch.compile did not reach the registered op"
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert bool((lse[0] == INF).all())  # the empty query: FlashMLA's marker on both routes
+
+
 def test_decode_metadata_reuse_checked():
     a = make_decode(b=1, s_q=1, h_q=3, topk=9, num_blocks=2, block_size=8, seed=3)
     meta, _ = get_mla_metadata(a["cache_seqlens"], 3, 1, 3, True, 9)  # README-style hints
