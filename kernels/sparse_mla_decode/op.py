@@ -138,7 +138,10 @@ def _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits
             arch)
 
 
-def _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, config, num_splits, inf_empty=False):
+def _get_plan(q, cache, indices, topk_length, attn_sink, fmt, config=None, num_splits=None,
+              inf_empty=False):
+    """The launch plan of these inputs, from the cache or made and kept there."""
+    key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits, inf_empty)
     return _PLANS.get(key) or _new_plan(key, _plan_launch, q, cache, indices, topk_length,
                                         attn_sink, fmt, config, num_splits, inf_empty)
 
@@ -147,8 +150,7 @@ def flashmla_plan(q, cache, indices, topk_length, attn_sink, fmt):
     """The launch plan of a call that passed sparse_mla_decode's checks (a fp8_ds_mla or bf16
     cache, no extra cache, T >= 1) whose rows without a valid index get lse = +inf, FlashMLA's
     marker: mla.flashmla_compat runs it with `run_plan` on later calls of the same signature."""
-    key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, None, None, True)
-    return _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, None, None, True)
+    return _get_plan(q, cache, indices, topk_length, attn_sink, fmt, inf_empty=True)
 
 
 def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, config=None, num_splits=None):
@@ -156,8 +158,7 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
     sparse MLA format descriptor (the constexprs below come from it)."""
     if q.shape[0] == 0:
         return torch.empty((0, q.shape[1]), dtype=torch.float32, device=q.device)
-    key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits)
-    plan = _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, config, num_splits)
+    plan = _get_plan(q, cache, indices, topk_length, attn_sink, fmt, config, num_splits)
     return run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
 
 
@@ -485,8 +486,7 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     elif sig is not None and T > 0 and not getattr(fmt, "blocked", False):
         # eager and CUDA-graph capture: straight to the launch (the custom op's dispatcher costs
         # more host time than the launch itself), and the signature remembered as checked
-        key = _plan_key(q, cache, indices, topk_length, attn_sink, fmt, None, None)
-        plan = _get_plan(key, q, cache, indices, topk_length, attn_sink, fmt, None, None)
+        plan = _get_plan(q, cache, indices, topk_length, attn_sink, fmt)
         # (the signature names the format argument and the architecture by identity: the entry
         # keeps both alive, so no other object takes their ids while it exists)
         _VALIDATED.remember(sig, (fmt, plan, fmt_arg, arch_of(q.device)))
