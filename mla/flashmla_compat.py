@@ -307,12 +307,18 @@ def _decode_signature(q, k_cache, indices, topk_length, attn_sink, head_dim_v, m
 def _plan(q, k_cache, indices, topk_length, attn_sink, fmt):
     """The op's launch plan for these checked inputs, its kernels writing FlashMLA's +inf lse
     marker; None where the op has no plan to reuse (MODEL1, or no query)."""
-    b, s_q, h_q, d = q.shape
-    if getattr(fmt, "blocked", False) or b * s_q == 0:
+    if getattr(fmt, "blocked", False) or q.shape[0] * q.shape[1] == 0:
         return None
+    return flashmla_plan(*_op_args(q, k_cache, indices, topk_length), attn_sink, fmt)
+
+
+def _op_args(q, k_cache, indices, topk_length):
+    """FlashMLA's decode inputs as the op takes them: q [T, h_q, d], the cache [num_blocks,
+    block_size, row], indices [T, topk] and per-token lengths, T = b * s_q."""
+    b, s_q, h_q, d = q.shape
     T = b * s_q
-    return flashmla_plan(q.reshape(T, h_q, d), _as_cache(k_cache), indices.reshape(T, indices.shape[-1]),
-                         _per_token(topk_length, s_q), attn_sink, fmt)
+    return (q.reshape(T, h_q, d), _as_cache(k_cache), indices.reshape(T, indices.shape[-1]),
+            _per_token(topk_length, s_q))
 
 
 def _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra, plan=None):
@@ -322,8 +328,7 @@ def _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra, plan
     b, s_q, h_q, d = q.shape
     T = b * s_q
     out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
-    args = (q.reshape(T, h_q, d), _as_cache(k_cache), indices.reshape(T, indices.shape[-1]))
-    lengths = _per_token(topk_length, s_q)
+    *args, lengths = _op_args(q, k_cache, indices, topk_length)
     if plan is not None:
         lse = run_plan(plan, *args, lengths, attn_sink, out.view(T, h_q, D_V), scale, fmt)
         if s_q == 1:  # [b, h_q, 1] is [T, H]'s memory as it is
