@@ -212,9 +212,15 @@ def flash_mla_with_kvcache(
             sig = hit = None
         if hit is not None and meta.config is hit[1]:
             # this signature passed every check below, and the op's, with this metadata object
-            fmt, plan = hit[0], hit[2]
+            fmt, plan, layout = hit[0], hit[2], hit[4]
             scale = (fmt.head_dim ** -0.5 if softmax_scale is None
                      else check_scale("softmax_scale", softmax_scale))
+            if layout is not None:  # the op's kernels on FlashMLA's tensors as they are
+                b, s_q, h_q, _ = q.shape
+                out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
+                lse = run_plan(plan, q, k_cache, indices, _per_token(topk_length, s_q), attn_sink,
+                               out, scale, fmt, layout)
+                return out, (lse if s_q == 1 else lse.transpose(1, 2).contiguous())
             return _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, {}, plan)
     # first: a bool here is the README's positional (is_causal, is_fp8_kvcache, indices) mix-up
     if isinstance(softmax_scale, bool):
@@ -277,15 +283,35 @@ def flash_mla_with_kvcache(
                      extra_topk_length=_per_token(extra_topk_length, s_q))
     result = _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra)
     if sig is not None and not extra:  # remembered once the op's checks passed too
-        _CHECKED.remember(sig, (fmt, meta.config, _plan(q, k_cache, indices, topk_length, attn_sink, fmt),
-                                arch_of(q.device)))
+        plan = _plan(q, k_cache, indices, topk_length, attn_sink, fmt)
+        _CHECKED.remember(sig, (fmt, meta.config, plan, arch_of(q.device),
+                                _direct_layout(q, k_cache, indices) if plan is not None else None))
     return result
 
 
 # call signature -> (format, the metadata's config, the op's launch plan or None, the architecture
-# the signature names by id) of decode calls without an extra cache that passed
-# flash_mla_with_kvcache's checks and the op's
+# the signature names by id, the plan's layout of FlashMLA's own tensors or None) of decode calls
+# without an extra cache that passed flash_mla_with_kvcache's checks and the op's
 _CHECKED = CheckedCalls()
+
+
+def _direct_layout(q, k_cache, indices):
+    """run_plan's layout of FlashMLA's q [b, s_q, h_q, d], indices [b, s_q, topk], a fresh out
+    [b, s_q, h_q, 512] and lse [b, h_q, 1] (s_q = 1) or [b, s_q, h_q] (transposed after), so that
+    a repeated call launches on them without reshaping them into the op's [b * s_q, ...] views;
+    None where those views would not be views (a token stride that does not flatten b and s_q)
+    or the cache is not the plan's dtype (fp8 / int8 bytes, which the op reads as uint8)."""
+    b, s_q, h_q, _ = q.shape
+    if s_q == 1:
+        sq_t, si_t = q.stride(0), indices.stride(0)
+    elif q.stride(0) == s_q * q.stride(1) and indices.stride(0) == s_q * indices.stride(1):
+        sq_t, si_t = q.stride(1), indices.stride(1)
+    else:
+        return None
+    if k_cache.dtype not in (torch.uint8, torch.bfloat16):
+        return None
+    lse_shape = (b, h_q, 1) if s_q == 1 else (b, s_q, h_q)
+    return (b * s_q, h_q, sq_t, q.stride(2), si_t, h_q * D_V, D_V, lse_shape)
 
 
 def _decode_signature(q, k_cache, indices, topk_length, attn_sink, head_dim_v, meta, num_splits,
@@ -367,6 +393,8 @@ def _per_token(lengths: Optional[torch.Tensor], s_q: int) -> Optional[torch.Tens
     """FlashMLA's lengths are per batch entry, openmla's per query token: [b] -> [b * s_q]."""
     if lengths is None:
         return None
+    if s_q == 1:
+        return lengths.contiguous()
     b = lengths.shape[0]
     return lengths.reshape(b, 1).expand(b, s_q).reshape(b * s_q).contiguous()
 

@@ -64,12 +64,13 @@ def _new_plan(key, make, *args):
     return plan
 
 
-def _partials(lse, num_splits, fmt, always=False):
+def _partials(lse, num_splits, fmt, always=False, shape=None):
     """Per-split partial out [T, S, H, d_v] and lse [T, S, H] (fp32) for the merge; lse itself as
-    a placeholder (never written) when one split writes the output directly."""
+    a placeholder (never written) when one split writes the output directly. shape: (T, H) when
+    lse is not [T, H] (run_plan's layout)."""
     if num_splits == 1 and not always:
         return lse, lse
-    T, H = lse.shape
+    T, H = shape or lse.shape
     return (torch.empty((T, num_splits, H, fmt.latent_dim), dtype=torch.float32, device=lse.device),
             torch.empty((T, num_splits, H), dtype=torch.float32, device=lse.device))
 
@@ -162,32 +163,40 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
     return run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
 
 
-def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt):
-    """One launch of `plan` (and its merge) on validated inputs with T >= 1; returns lse. The
-    plan's number with q's, indices' and out's strides keys the launch when every pointer is
-    16-byte aligned."""
+def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, layout=None):
+    """One launch of `plan` (and its merge) on validated inputs with T >= 1; returns lse [T, H].
+    The plan's number with q's, indices' and out's strides keys the launch when every pointer is
+    16-byte aligned.
+    layout: None for q [T, H, d], indices [T, topk], out [T, H, 512]; else (T, H, q's token and
+    head strides, indices' token stride, out's token and head strides, lse's shape) of tensors
+    whose memory is laid out so (mla.flashmla_compat passes its 4-D tensors: with b and s_q
+    flattened by one stride, token t = i * s_q + j is one stride from t - 1). The cache is read
+    through the plan's strides, so any view of its memory serves."""
     kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
-    T, H = q.shape[0], q.shape[1]
-    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    po, plse = _partials(lse, num_splits, fmt)
+    if layout is None:
+        T, H = q.shape[0], q.shape[1]
+        sq, si, so = q.stride(), indices.stride(0), out.stride()
+        layout = (T, H, sq[0], sq[1], si, so[0], so[1], (T, H))
+    T, H, sq0, sq1, si, so0, so1, lse_shape = layout
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    po, plse = _partials(lse, num_splits, fmt, shape=(T, H))
     sink = attn_sink if attn_sink is not None else lse
     length = topk_length if topk_length is not None else lse
-    sq, si, so = q.stride(), indices.stride(0), out.stride()
-    args = (q, cache, indices, length, sink, out, lse, po, plse, *ints, sq[0], sq[1],
-            *cache_strides, si, so[0], so[1], float(scale) * LOG2E)
+    args = (q, cache, indices, length, sink, out, lse, po, plse, *ints, sq0, sq1,
+            *cache_strides, si, so0, so1, float(scale) * LOG2E)
     # the plan's key and the strides below fix every int argument and dtype; with every pointer
     # 16-byte aligned it keys the launch too (lse and the partials are fresh allocations, which
     # the caching allocator aligns)
     aligned = (q.data_ptr() | cache.data_ptr() | indices.data_ptr() | out.data_ptr()
                | length.data_ptr() | sink.data_ptr()) & 15 == 0
     # (the plan's number stands for its key: cheaper to hash, and never reused)
-    lkey = (pid, sq[0], sq[1], si, so[0], so[1]) if aligned else None
+    lkey = (pid, sq0, sq1, si, so0, so1) if aligned else None
     if aligned:
         kernel.keyed(lkey, grid, *args, **consts)
     else:
         kernel(grid, *args, **consts)
     if num_splits > 1:
-        _merge(po, plse, attn_sink, out, lse, fmt, lkey, merge)
+        _merge(po, plse, attn_sink, out, lse, fmt, lkey, merge, (so0, so1))
     return lse
 
 
@@ -198,15 +207,17 @@ def _merge_plan(T, H, num_splits, has_sink, fmt, sms, inf_empty=False):
                                               DV=fmt.latent_dim, INF_EMPTY=inf_empty, num_warps=4)
 
 
-def _merge(po, plse, attn_sink, out, lse, fmt, key, plan=None):
+def _merge(po, plse, attn_sink, out, lse, fmt, key, plan=None, out_strides=None):
     """Merge the partials po [T, S, H, D] / plse [T, S, H] into out and lse; the sink applies here,
     once. key: a FastLaunch key fixing every argument but the pointers (None: Triton's launch).
-    plan: _merge_plan's result for these shapes, when the caller has it."""
+    plan: _merge_plan's result for these shapes, when the caller has it. out_strides: out's token
+    and head strides when out is not [T, H, D] (run_plan's layout)."""
     T, num_splits, H = plse.shape
     mgrid, mconsts = plan or _merge_plan(T, H, num_splits, attn_sink is not None, fmt,
                                          num_sms(po.device))
     sink = attn_sink if attn_sink is not None else lse
-    margs = (po, plse, sink, out, lse, H, num_splits, out.stride(0), out.stride(1))
+    so = out_strides or (out.stride(0), out.stride(1))
+    margs = (po, plse, sink, out, lse, H, num_splits, so[0], so[1])
     if key is not None:
         _MERGE.keyed(key, mgrid, *margs, **mconsts)
     else:

@@ -212,6 +212,42 @@ def test_repeated_decode_writes_the_marker_in_the_kernels(b, s_q, h_q, topk, fp8
     assert_close("lse", lse.transpose(1, 2)[keep], want_lse.transpose(1, 2)[keep], "lse")
 
 
+@pytest.mark.parametrize("case", ["s_q1-lengths", "s_q3", "tokens-not-flat", "fp8-dtype-cache"])
+def test_repeated_decode_on_flashmla_tensors_as_they_are(case, monkeypatch):
+    """A repeated call launches the remembered plan on FlashMLA's 4-D tensors through a layout
+    (no reshape into the op's views) where b and s_q flatten into one token stride and the cache
+    has the plan's dtype; elsewhere through the reshaped views. Same out and lse as the first
+    call, and as the oracle, either way."""
+    s_q = 1 if case == "s_q1-lengths" else 3
+    a = make_decode(b=2, s_q=s_q, h_q=5, topk=40, num_blocks=6, block_size=16, empty=(1,), seed=7,
+                    fp8_dtype=case == "fp8-dtype-cache")
+    if case == "tokens-not-flat":  # s_q's stride does not flatten with b's: a slice of 4 tokens
+        big = torch.randn(2, 4, 5, 576, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
+        big[:, :3] = a["q"]
+        a["q"] = big[:, :3]
+    lengths = torch.tensor([33, 5], dtype=torch.int32, device=DEVICE) if case == "s_q1-lengths" else None
+    monkeypatch.setattr(flashmla_compat, "_CHECKED", flashmla_compat.CheckedCalls())
+    meta, _ = get_mla_metadata()
+
+    def call():
+        return flash_mla_with_kvcache(a["q"], a["k_cache"], None, None, 512, meta, softmax_scale=0.06,
+                                      is_fp8_kvcache=True, indices=a["indices"], topk_length=lengths)
+
+    first_out, first_lse = call()
+    (entry,) = flashmla_compat._CHECKED.values()
+    direct = case in ("s_q1-lengths", "s_q3")
+    assert (entry[4] is not None) == direct
+    if direct:  # the repeated call must not build the op's views
+        monkeypatch.setattr(flashmla_compat, "_op_args", lambda *x: pytest.fail("reshaped the inputs"))
+    out, lse = call()
+    assert lse.shape == (2, 5, s_q) and lse.is_contiguous() and out.shape == (2, s_q, 5, 512)
+    assert torch.equal(out, first_out) and torch.equal(lse, first_lse)
+    want, want_lse = decode_ref(a, scale=0.06, topk_length=lengths)
+    assert_close("out", out, want, "sparse_decode")
+    assert_close("lse", lse, want_lse, "lse")
+    assert bool((lse.transpose(1, 2).reshape(-1, 5)[1] == INF).all())  # the empty query
+
+
 def test_compiled_repeated_call_goes_through_the_custom_op(monkeypatch):
     """After eager calls remembered the signature (and the op's plan), a call traced by
     torch.compile still reaches the op's registered custom op, with the eager result."""
