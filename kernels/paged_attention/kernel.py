@@ -221,8 +221,6 @@ def paged_attention_kernel(
 
     b_q = tl.load(q_ptr + o_tok[:, None] * s_qt + o_h[:, None] * s_qh + o_d[None, :],
                   mask=m_m[:, None] & m_d[None, :], other=0.0)
-    if KEY_FLAGS:  # a row whose q holds a NaN or inf: NaN here, else 0 (see the interior flags)
-        b_qbad = row_faults(b_q.to(tl.float32))
     if NEG_Q:  # scale < 0: the host passed |scale| (interior tiles need a scale >= 0)
         b_q = (-b_q.to(tl.float32)).to(b_q.dtype)  # exact
     qk_scale = qk_scale2
@@ -299,32 +297,33 @@ def paged_attention_kernel(
     n_in = tl.minimum(n_start + tl.cdiv(tl.maximum(full_lo - n_start, 0), BLOCK_N) * BLOCK_N,
                       n_grid_end)
     n_out = tl.maximum(n_start + tl.maximum(full_hi - n_start, 0) // BLOCK_N * BLOCK_N, n_in)
+    n_flag = tl.zeros([], tl.int32)
     if IS_PAGED:
         # Interior tiles read block ids unchecked: an invalid id among them (a caller bug)
         # sends the whole range through the masked loop instead.
+        # KEY_FLAGS (long queries over a bf16 / fp16 cache): the interior tiles' key faults come
+        # from the flags of key_flags.py (whole 16-key groups: interior bounds are multiples of
+        # BLOCK_N), read in the same steps as the block ids (one memory round trip a step for
+        # both; with an invalid id they go unused).
         n_bad = tl.zeros([], tl.int32)
+        pg_beg = n_in // PAGE_SIZE
         pg_end = tl.cdiv(n_out, PAGE_SIZE)
-        for pg0 in range(n_in // PAGE_SIZE, pg_end, 256):
-            o_pg = pg0 + tl.arange(0, 256)
+        g_beg = n_in // KEY_GROUP
+        g_end = n_out // KEY_GROUP
+        n_steps = tl.cdiv(pg_end - pg_beg, 256)
+        if KEY_FLAGS:
+            p_kf = kflags_ptr + i_r.to(tl.int64) * s_kfr + i_kvh * s_kfh
+            n_steps = tl.maximum(n_steps, tl.cdiv(g_end - g_beg, 256))
+        for i_s in range(0, n_steps):
+            o_pg = pg_beg + i_s * 256 + tl.arange(0, 256)
             b_pg = tl.load(p_bt + o_pg, mask=o_pg < pg_end, other=0)
             n_bad += tl.sum(((b_pg < 0) | (b_pg >= NUM_BLOCKS)).to(tl.int32))
+            if KEY_FLAGS:
+                o_g = g_beg + i_s * 256 + tl.arange(0, 256)
+                n_flag += tl.sum(tl.load(p_kf + o_g,
+                                         mask=o_g < g_end, other=0).to(tl.int32))
         if n_bad > 0:
             n_out = n_in
-    b_fault = tl.zeros([BLOCK_M], tl.float32)
-    if KEY_FLAGS:
-        # Long queries over a bf16 / fp16 cache: the interior tiles' key faults come from the
-        # flags of key_flags.py (whole 16-key groups: interior bounds are multiples of BLOCK_N),
-        # read here once; a row whose q holds a NaN or inf has non-finite scores for every key.
-        # Either makes every row that attends an interior key NaN (kernel faults: softmax.py).
-        n_flag = tl.zeros([], tl.int32)
-        p_kf = kflags_ptr + i_r.to(tl.int64) * s_kfr + i_kvh * s_kfh
-        g_end = n_out // KEY_GROUP
-        for g0 in range(n_in // KEY_GROUP, g_end, 256):
-            o_g = g0 + tl.arange(0, 256)
-            n_flag += tl.sum(tl.load(p_kf + o_g, mask=o_g < g_end, other=0).to(tl.int32))
-        b_fault = tl.where(n_out > n_in,
-                           tl.where(n_flag > 0, float("nan"), b_qbad),
-                           0.0)
     # The block ids of the next interior tile are loaded one step ahead into registers: the
     # K / V copies then depend on no load of their own iteration, and the pipeliner can
     # issue them num_stages - 1 tiles ahead.
@@ -373,7 +372,10 @@ def paged_attention_kernel(
     # faults (kernels/softmax.py): a NaN sum, or a NaN or inf that reached the accumulator
     # through a value, makes the row's out and lse NaN
     if KEY_FLAGS:
-        l_i = l_i + b_fault
+        # a flagged interior key makes every row NaN; a NaN or inf in a row's q already made its
+        # sum NaN in the interior tiles (all its scores are non-finite: +inf or NaN give
+        # exp2(NaN), all -inf give exp2(-inf + inf))
+        l_i = l_i + tl.where((n_out > n_in) & (n_flag > 0), float("nan"), 0.0)
     b_inv, b_lse = finish_rows(l_i, m_i)
     b_bad = row_faults(acc)
     b_o = acc * (b_inv + b_bad)[:, None]

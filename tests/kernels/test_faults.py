@@ -423,18 +423,29 @@ def test_paged_fault_with_sinks_softcap_window():
 LONG_SEQS = [(40, 300), (20, 180)]  # long queries (> 16 tokens): rows 0-39 | 40-59 | 60-61 padding
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_paged_long_query_faults(causal):
+@pytest.mark.parametrize("causal,q_fault", [(True, "inf"), (False, "inf"), (True, "nan"),
+                                             (False, "inf-every-score--inf")],
+                         ids=["causal", "full", "causal-q-nan", "full-q-scores-all--inf"])
+def test_paged_long_query_faults(causal, q_fault):
     """Long queries over a bf16 cache take their interior tiles' key faults from key flags
     (kernels/paged_attention/key_flags.py): a NaN key and a -inf key that every row of their
     request attends (-inf scores would otherwise vanish in the softmax), an +inf key past most
-    rows' causal bound (a masked tile: only the rows that attend it), an inf in one q row, and
-    NaN in every unused slot of the caches; 1, 2 and 3 forced splits and the op's own choice."""
-    b = paged_batch(LONG_SEQS, H, H_KV, D, BS, seed=8)
+    rows' causal bound (a masked tile: only the rows that attend it), and NaN in every unused
+    slot of the caches; 1, 2 and 3 forced splits and the op's own choice. A NaN or inf in one q
+    row has no flag: every score of that row is non-finite, which turns its sum NaN by itself,
+    also where every one of them is -inf (q's +inf against keys that are all negative there;
+    request 1 then has 256 keys, a whole number of tiles: no masked tile, whose fault check
+    would catch it instead)."""
+    seqs = LONG_SEQS if q_fault != "inf-every-score--inf" else [(40, 300), (20, 256)]
+    b = paged_batch(seqs, H, H_KV, D, BS, seed=8)
     _poison_kv(b, "k", 0, 5, NAN)
     _poison_kv(b, "k", 1, 100, -INF)
     _poison_kv(b, "k", 0, 290, INF)  # context 260: queries 30..39 attend it (causal)
-    b["q"][45, 3, 9] = INF  # request 1, token 5, head 3 (KV head 1: no bad key)
+    b["q"][45, 3, 9] = NAN if q_fault == "nan" else INF  # request 1, token 5, head 3 (KV head 1)
+    if q_fault == "inf-every-score--inf":  # request 1's keys of KV head 1 negative in dim 9
+        for pos in range(256):
+            blk = int(b["block_table"][1, pos // BS])
+            b["k_cache"][blk, pos % BS, 1, 9] = -b["k_cache"][blk, pos % BS, 1, 9].abs() - 0.25
     nan_rows = torch.zeros(62, H, dtype=torch.bool)
     nan_rows[0:60, 0:2] = True  # both requests' rows of KV head 0
     nan_rows[45, 3] = True
