@@ -131,6 +131,34 @@ def test_raw_scales(H, topk, block_size, seed):
     check(q, cache, idx)
 
 
+@GPU_ONLY
+@pytest.mark.parametrize("H", [40, 64, 128])
+def test_mixed_scale_blocks(H):
+    """Raw (non-power-of-two) scales past 32 heads (the 64-head kernel on Hopper; test_raw_scales
+    covers the keys-on-M kernel): blocks of power-of-two rows next to blocks holding raw rows, in
+    one program and across splits, the four tiles of a row up to 2^8 apart (2^4 in raw rows) and
+    some rows whose latent is all zero (the scale floor)."""
+    g = torch.Generator().manual_seed(H)
+    T, topk, num_blocks, bs = 3, 2048, 96, 64
+    slots = num_blocks * bs
+    cache, _ = random_paged_cache(num_blocks, bs, FP8_DS_MLA.row_width, FP8_DS_MLA.cache_dtype)
+    idx = torch.randint(0, slots, (T, topk), generator=g, dtype=torch.int32)
+    used = torch.unique(idx).long()
+    # raw rows only where token 0's indices 600..663 and token 2's 1500..1530 point
+    raw_slots = torch.unique(torch.cat([idx[0, 600:664], idx[2, 1500:1531]])).long()
+    is_raw = torch.isin(used, raw_slots)
+    tile_exp = torch.randint(-8, 1, (len(used), 4, 1), generator=g)
+    tile_exp[is_raw] = torch.randint(-4, 1, (int(is_raw.sum()), 4, 1), generator=g)
+    kv_c = (torch.randn(len(used), 4, 128, generator=g) * 1.5 * 2.0 ** tile_exp).reshape(len(used), 512)
+    kv_c[::97] = 0.0
+    k_pe = torch.randn(len(used), 64, generator=g)
+    rows = FP8_DS_MLA.pack(kv_c, k_pe)
+    rows[is_raw] = FP8_DS_MLA_RAW.pack(kv_c[is_raw], k_pe[is_raw])
+    cache[used // bs, used % bs] = rows.to(DEVICE)
+    q = torch.randn(T, H, 576, generator=g).to(torch.bfloat16).to(DEVICE)
+    check(q, cache, idx.to(DEVICE))
+
+
 # ----------------------------------------------------------------------------------------------
 # Corner cases.
 # ----------------------------------------------------------------------------------------------
