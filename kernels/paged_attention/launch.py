@@ -27,7 +27,7 @@ from openmla.kernels.launch import FastLaunch
 from openmla.kernels.merge import parts_tile
 from openmla.kernels.paged_attention.kernel import (paged_attention_kernel,
                                                     paged_attention_reduce_kernel)
-from openmla.kernels.paged_attention.key_flags import GROUP, GROUPS_A_STEP, key_flags_kernel
+from openmla.kernels.paged_attention.key_flags import GROUP, key_flags_kernel
 from openmla.quant.kv_cache import cache_dims, cache_strides
 from openmla.quant.mha_formats import MHA_AUTO, MHAFormat
 
@@ -209,11 +209,11 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
     if key_flags:
         groups = triton.cdiv(keys.kv_cap, GROUP)
         s_kf = (H_kv * groups, groups)
-        nprog = max(1, triton.cdiv(4 * num_sms(q.device), R * H_kv))
-        flags = (R * H_kv * groups, (R, H_kv, nprog),
-                 (keys.num_blocks, keys.kv_cap, nprog, s_kb, s_kt, s_kh, keys.s_bt, *s_kf),
-                 dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), PAGE_SIZE=keys.page_size,
-                      GROUP_=GROUP, GROUPS=GROUPS_A_STEP))
+        nprog = max(1, triton.cdiv(4 * num_sms(q.device), R))
+        flags = (R * H_kv * groups, (R, nprog),
+                 (keys.num_blocks, keys.kv_cap, nprog, H_kv, s_kb, s_kt, s_kh, keys.s_bt, *s_kf),
+                 dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_HK=triton.next_power_of_2(H_kv),
+                      PAGE_SIZE=keys.page_size, GROUP_=GROUP, num_warps=8))
     part_numel = lse_off = 0
     if splits > 1:
         # one fp32 buffer: out partials [splits, T, H, D], then (16-byte aligned) lse [splits, T, H]
