@@ -28,9 +28,9 @@ def key_flags_kernel(
     GROUP_: tl.constexpr,
 ):
     """flags[r, h, g] for groups g < cdiv(min(seq_len_r, KV_CAP), GROUP_) of request r = program
-    0, every KV head h at once; program 1 of NPROG takes every NPROG-th group. A step reads the
-    GROUP_ keys' whole rows (all heads: within a page, one contiguous run when the heads are),
-    not one head's 2 * HEAD_DIM bytes a key. Groups past the request's keys are not written (the
+    0, BLOCK_HK KV heads at a time; program 1 of NPROG takes every NPROG-th group. A step reads
+    the GROUP_ keys' rows for BLOCK_HK heads (within a page one contiguous run when the heads are
+    and BLOCK_HK covers them), not one head's 2 * HEAD_DIM bytes a key. Groups past the request's keys are not written (the
     kernel never reads them)."""
     i_r = tl.program_id(0)
     i_p = tl.program_id(1)
@@ -39,10 +39,8 @@ def key_flags_kernel(
     o_j = tl.arange(0, GROUP_)
     o_h = tl.arange(0, BLOCK_HK)
     o_d = tl.arange(0, BLOCK_D)
-    m_hd = (o_h < H_KV)[:, None] & (o_d < HEAD_DIM)[None, :]
-    o_hd = o_h[:, None] * s_kh + o_d[None, :]
     p_bt = bt_ptr + i_r.to(tl.int64) * s_bt
-    p_f = flags_ptr + i_r.to(tl.int64) * s_fr + o_h * s_fh
+    p_f = flags_ptr + i_r.to(tl.int64) * s_fr
     for g in range(i_p, n_groups, NPROG):
         o_pos = g * GROUP_ + o_j
         m_pos = o_pos < seq_len
@@ -50,8 +48,11 @@ def key_flags_kernel(
         # an invalid block id is never read (the kernel sends its range to the masked loop)
         m_pos = m_pos & (b_blk >= 0) & (b_blk < NUM_BLOCKS)
         o_row = b_blk * s_kb + (o_pos % PAGE_SIZE) * s_kt
-        b_k = tl.load(k_ptr + o_row[:, None, None] + o_hd[None, :, :],
-                      mask=m_pos[:, None, None] & m_hd[None, :, :], other=0.0).to(tl.float32)
-        # x * 0 is NaN exactly for a NaN or inf x
-        b_bad = tl.sum(tl.sum(((b_k * 0.0) != 0.0).to(tl.int32), 2), 0)
-        tl.store(p_f + g, (b_bad > 0).to(tl.uint8), mask=o_h < H_KV)
+        for h0 in range(0, H_KV, BLOCK_HK):  # BLOCK_HK heads at a time (all of them, for few)
+            o_hc = h0 + o_h
+            m_hd = (o_hc < H_KV)[:, None] & (o_d < HEAD_DIM)[None, :]
+            b_k = tl.load(k_ptr + o_row[:, None, None] + (o_hc[:, None] * s_kh + o_d[None, :])[None, :, :],
+                          mask=m_pos[:, None, None] & m_hd[None, :, :], other=0.0).to(tl.float32)
+            # x * 0 is NaN exactly for a NaN or inf x
+            b_bad = tl.sum(tl.sum(((b_k * 0.0) != 0.0).to(tl.int32), 2), 0)
+            tl.store(p_f + o_hc * s_fh + g, (b_bad > 0).to(tl.uint8), mask=o_hc < H_KV)
