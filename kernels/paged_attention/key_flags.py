@@ -30,8 +30,8 @@ def key_flags_kernel(
     """flags[r, h, g] for groups g < cdiv(min(seq_len_r, KV_CAP), GROUP_) of request r = program
     0, BLOCK_HK KV heads at a time; program 1 of NPROG takes every NPROG-th group. A step reads
     the GROUP_ keys' rows for BLOCK_HK heads (within a page one contiguous run when the heads are
-    and BLOCK_HK covers them), not one head's 2 * HEAD_DIM bytes a key. Groups past the request's keys are not written (the
-    kernel never reads them)."""
+    and BLOCK_HK covers them), not one head's 2 * HEAD_DIM bytes a key. Groups past the
+    request's keys are not written (the kernel never reads them)."""
     i_r = tl.program_id(0)
     i_p = tl.program_id(1)
     seq_len = tl.minimum(tl.load(lens_ptr + i_r), KV_CAP)
@@ -48,7 +48,7 @@ def key_flags_kernel(
         # an invalid block id is never read (the kernel sends its range to the masked loop)
         m_pos = m_pos & (b_blk >= 0) & (b_blk < NUM_BLOCKS)
         o_row = b_blk * s_kb + (o_pos % PAGE_SIZE) * s_kt
-        for h0 in range(0, H_KV, BLOCK_HK):  # BLOCK_HK heads at a time (all of them, for few)
+        for h0 in range(0, H_KV, BLOCK_HK):
             o_hc = h0 + o_h
             m_hd = (o_hc < H_KV)[:, None] & (o_d < HEAD_DIM)[None, :]
             b_k = tl.load(k_ptr + o_row[:, None, None] + (o_hc[:, None] * s_kh + o_d[None, :])[None, :, :],

@@ -209,12 +209,14 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
     if key_flags:
         groups = triton.cdiv(keys.kv_cap, GROUP)
         s_kf = (H_kv * groups, groups)
-        # a step: 16 keys x BLOCK_HK heads x D, at most 16K elements (8 warps, no spills)
         nprog = max(1, triton.cdiv(4 * num_sms(q.device), R))
+        block_d = triton.next_power_of_2(D)
+        # a step: 16 keys x block_hk heads x D, at most 16K elements (8 warps, no spills)
+        block_hk = min(triton.next_power_of_2(H_kv), max(1, 1024 // block_d))
         flags = (R * H_kv * groups, (R, nprog),
                  (keys.num_blocks, keys.kv_cap, nprog, H_kv, s_kb, s_kt, s_kh, keys.s_bt, *s_kf),
-                 dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_HK=min(triton.next_power_of_2(H_kv), max(1, 1024 // triton.next_power_of_2(D))),
-                      PAGE_SIZE=keys.page_size, GROUP_=GROUP, num_warps=8))
+                 dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_HK=block_hk, PAGE_SIZE=keys.page_size,
+                      GROUP_=GROUP, num_warps=8))
     part_numel = lse_off = 0
     if splits > 1:
         # one fp32 buffer: out partials [splits, T, H, D], then (16-byte aligned) lse [splits, T, H]
