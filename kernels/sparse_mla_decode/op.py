@@ -113,8 +113,9 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     merge = _merge_plan(T, H, num_splits, attn_sink is not None, fmt, num_sms(q.device), inf_empty)
     pid = next(_PLAN_IDS)
     if sm90:
-        return (_SM90, grid, ints, (stride_cb, stride_cr), dict(consts, num_warps=_sm90.NUM_WARPS),
-                num_splits, merge, pid)
+        return (_SM90, grid, ints, (stride_cb, stride_cr),
+                dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_sm90.NUM_WARPS), num_splits,
+                merge, pid)
     if kn:
         return (_KN, grid, ints, (stride_cb, stride_cr),
                 dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_kn.NUM_WARPS), num_splits,

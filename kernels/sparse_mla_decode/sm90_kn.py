@@ -48,9 +48,9 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from openmla.kernels.sparse_mla_decode.sm90 import (_finish_rows, _head_f16_factor, _keep_faults,
-                                                        _pow2_at_least, _row_ptrs, _sink_factor,
-                                                        _split_range)
+    from openmla.kernels.sparse_mla_decode.sm90 import (_finish_rows, _fp8_to_f16, _head_f16_factor,
+                                                        _keep_faults, _pow2_at_least, _row_ptrs,
+                                                        _sink_factor, _split_range)
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -82,14 +82,6 @@ def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 if _GLUON:
-    @gluon.jit
-    def _fp8_to_f16(x):
-        # e4m3 bytes -> fp16, exact (F2FP, two bytes per instruction)
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
-
     @gluon.jit
     def _perm_col(k):
         # logical latent column k -> physical column: inside each 128-wide tile, the A-operand
