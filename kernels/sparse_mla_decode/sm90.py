@@ -8,15 +8,16 @@ fp32, plus the bf16 rope chain) and P_t = P * s_t / R (R a running power of two 
 seen) feeds each tile's value dot in fp16, rounded once.
 
 Three warpgroups, each with its own part of a 64-row block of keys (FlashMLA's sm90 partition):
-- the producer (default registers: the rest) loads block i's rows with 16-byte global loads into
+- the producer (worker, P_REGS registers) loads block i's rows with 16-byte global loads into
   registers (latent bytes, rope, scales; the row numbers of a block are loaded with it), waits
   until stage i % 2 is released, converts the bytes to fp16 and stores the stage (K [64, 512]
   fp16, rope, scales, and each key's validity), then arrives on the stage's `full` barrier;
-- the score warpgroup (the default partition, which also runs the q prologue) computes
+- the score warpgroup (the default partition: the registers the workers leave, and the q
+  prologue) computes
   S [64 heads, 64 keys] (m64n64 wgmma chains, each head's row inside one warp: the softmax needs no
   cross-warp exchange), the online softmax, P_2 and P_3 (the value warpgroup's operands) into
   shared memory, then O[:, 0:256] += P_0 V_0 + P_1 V_1 with P in registers;
-- the value warpgroup holds O[:, 256:512] and adds P_2 V_2 + P_3 V_3 (both operands from shared
+- the value warpgroup (worker, V_REGS registers) holds O[:, 256:512] and adds P_2 V_2 + P_3 V_3 (both operands from shared
   memory) while the score warpgroup goes on to the next block's scores.
 Hand-overs: `full` / `empty` per stage (producer <-> both consumers), `pfull` per stage (P_2, P_3
 and the per-head rescale factor are in shared memory), `pfree` (the value warpgroup is done with
