@@ -108,6 +108,7 @@ def convert_req_index_to_global(
     workspace: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     seq_lens: Optional[torch.Tensor] = None,
     return_valid_counts: bool = False,
+    out: Optional[torch.Tensor] = None,
 ):
     """Convert per-request token indices to global cache slots (DESIGN.md, Index conversion).
 
@@ -125,9 +126,10 @@ def convert_req_index_to_global(
             workspace row of the next request). The layer passes it (mla.sparse.impl); without
             it only the block table bounds an index.
         return_valid_counts: also return the number of valid outputs per token.
+        out: optional [T, K] int32 (last dim contiguous) to write into, on token_indices' device.
 
     Returns:
-        out: [T, K] int32. -1 where idx < 0, idx >= seq_lens[req_id] (when given),
+        out: [T, K] int32 (the given `out`, or a new tensor). -1 where idx < 0, idx >= seq_lens[req_id] (when given),
             idx // block_size >= M, the block table entry is < 0, req_id is outside [0, R), or
             the result would not fit int32; otherwise
             block_table[req_id, idx // block_size] * block_size + idx % block_size (or the workspace row).
@@ -138,13 +140,13 @@ def convert_req_index_to_global(
         try:
             sig = (tensor_signature(req_id), tensor_signature(block_table),
                    tensor_signature(token_indices), tensor_signature(seq_lens), block_size,
-                   return_valid_counts)
+                   return_valid_counts, tensor_signature(out))
             checked = sig in _CHECKED
         except (AttributeError, TypeError):
             sig, checked = None, False
         if checked:  # this signature passed the checks below
             return _convert(req_id, block_table, token_indices, block_size, None, None, seq_lens,
-                            return_valid_counts)
+                            return_valid_counts, out)
     check_tensor("req_id", req_id, dtype=torch.int32, ndim=1)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
     check_tensor("token_indices", token_indices, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
@@ -164,23 +166,34 @@ def convert_req_index_to_global(
         check_tensor("workspace.starts", ws_start, dtype=torch.int32, ndim=1, contiguous=True)
     if seq_lens is not None:
         check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(block_table.shape[0],), contiguous=True)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.int32, shape=(T, K), last_dim_contiguous=True)
     check_same_device(token_indices=token_indices, req_id=req_id, block_table=block_table,
-                      seq_lens=seq_lens,
+                      seq_lens=seq_lens, out=out,
                       **{"workspace.request_ids": ws_rid, "workspace.starts": ws_start})
     if sig is not None:
         _CHECKED.remember(sig)
     return _convert(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens,
-                    return_valid_counts)
+                    return_valid_counts, out)
 
 
 # call signatures (no workspace) that passed convert_req_index_to_global's checks
 _CHECKED = CheckedCalls()
 
 
+def convert_checked(req_id, block_table, token_indices, block_size, seq_lens, out) -> None:
+    """convert_req_index_to_global(..., seq_lens=seq_lens, out=out) without its checks, for a
+    caller whose arguments have the types, shapes, strides and device of arguments that passed
+    them (mla.sparse.impl: a decode step's later layers; req_id contiguous)."""
+    if token_indices.shape[0] > 0:
+        _launch(req_id, block_table, token_indices, block_size, None, None, seq_lens, out, None)
+
+
 def _convert(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens,
-             return_valid_counts):
+             return_valid_counts, out=None):
     T, K = token_indices.shape
-    out = torch.empty((T, K), dtype=torch.int32, device=token_indices.device)
+    if out is None:
+        out = torch.empty((T, K), dtype=torch.int32, device=token_indices.device)
     counts = torch.empty(T, dtype=torch.int32, device=out.device) if return_valid_counts else None
     if T > 0:
         _launch(req_id.contiguous(), block_table, token_indices, block_size,

@@ -1,7 +1,8 @@
 """Sparse MLA entries of tools/bench.py: sparse_mla_decode, sparse_mla_prefill (both with FlashMLA
 beside them when it is importable), the same decode through the FlashMLA-compatible API
 (flashmla_compat_decode) and through SparseMLAImpl.forward (sparse_mla_impl_decode), the MLA cache
-writer (write_mla_cache) and gather (gather_upconvert), and convert_req_index_to_global.
+writer (write_mla_cache) and gather (gather_upconvert), convert_req_index_to_global, and
+head_matmul (the layer's absorption and output projection, torch.bmm timed beside).
 
 The `host` shape sets (batch 1 and 32, 16 and 128 heads) are the decode entry points whose eager
 time shows the host overhead of a call; tools/_bench_mha.py adds paged MHA decode to that set.
@@ -423,4 +424,49 @@ register(Op(
     count=lambda p: (0.0, float(p["tokens"] * p["topk"] * 4 * 3)),  # index in, table entry, slot out
     label=lambda p: f"T{p['tokens']}-topk{p['topk']}-R{p['requests']}",
     interpreter_exact=lambda p: True,  # integer work only
+))
+
+
+# --------------------------------------------------------------------------------------------
+# head_matmul (SparseMLAImpl's absorption with the rope tail, and its output projection); the
+# torch reference is what the layer ran before: torch.bmm over head-major views, plus the copy of
+# the rope part for the absorption
+def _head_matmul_build(p, device):
+    T, H, K, N, R = p["tokens"], p["heads"], p["k"], p["n"], p["tail"]
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(T, H, K, device=device, generator=g).bfloat16()
+    w = (torch.randn(H, K, N, device=device, generator=g) * K ** -0.5).bfloat16()
+    tail = torch.randn(T, H, R, device=device, generator=g).bfloat16() if R else None
+    return {"x": x, "w": w, "tail": tail,
+            "out": torch.empty(T, H, N + R, device=device, dtype=torch.bfloat16)}
+
+
+def _head_matmul_run(x):
+    from openmla.kernels.head_matmul import head_matmul
+    return head_matmul(x["x"], x["w"], tail=x["tail"], out=x["out"])
+
+
+def _head_matmul_torch(x):
+    N = x["w"].shape[2]
+    out = x["out"]
+    torch.bmm(x["x"].transpose(0, 1), x["w"], out=out[..., :N].transpose(0, 1))
+    if x["tail"] is not None:
+        out[..., N:].copy_(x["tail"])
+    return out
+
+
+def _head_matmul_error(x, out):
+    return rel_l2(out, reference.head_matmul_ref(x["x"], x["w"], x["tail"]))
+
+
+_HEAD_MATMUL = [dict(tokens=t, heads=h, k=k, n=n, tail=r)
+                for t in (1, 32, 128) for h in (16, 128) for k, n, r in ((128, 512, 64), (512, 128, 0))]
+register(Op(
+    name="head_matmul",
+    shape_sets={"standard": _HEAD_MATMUL,
+                "small": [dict(tokens=3, heads=2, k=128, n=512, tail=64), dict(tokens=3, heads=2, k=512, n=128, tail=0)]},
+    build=_head_matmul_build, run=_head_matmul_run, torch_ref=_head_matmul_torch, error=_head_matmul_error,
+    count=lambda p: (2.0 * p["tokens"] * p["heads"] * p["k"] * p["n"],
+                     2.0 * p["heads"] * (p["k"] * p["n"] + p["tokens"] * (p["k"] + 2 * p["tail"] + p["n"]))),
+    label=lambda p: f"T{p['tokens']}-H{p['heads']}-{'absorb' if p['tail'] else 'project'}",
 ))

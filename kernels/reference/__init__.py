@@ -18,7 +18,7 @@ One module a family: sparse.py (sparse MLA), mha.py (MHA / GQA), merge.py (mergi
 index conversion), indexer.py (the DSA lightning indexer: logits, top-k); _common.py holds the
 softmax with a sink and the fault marking they share.
 """
-from openmla.kernels.reference.sparse import sparse_mla_ref, sparse_mla_decode_ref
+from openmla.kernels.reference.sparse import head_matmul_ref, sparse_mla_ref, sparse_mla_decode_ref
 from openmla.kernels.reference.mha import attention_varlen_ref, local_attention_ref, paged_attention_ref
 from openmla.kernels.reference.merge import convert_req_index_ref, merge_attn_states_ref
 from openmla.kernels.reference.indexer import (decode_row_ends_ref, indexer_q_quant_ref, indexer_topk_ref,
@@ -27,6 +27,7 @@ from openmla.kernels.reference.indexer import (decode_row_ends_ref, indexer_q_qu
 __all__ = [
     "sparse_mla_ref",
     "sparse_mla_decode_ref",
+    "head_matmul_ref",
     "paged_attention_ref",
     "attention_varlen_ref",
     "local_attention_ref",

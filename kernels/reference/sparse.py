@@ -161,3 +161,19 @@ def sparse_mla_decode_ref(q, cache, indices, *, scale, topk_length=None, attn_si
     out, _, lse = sparse_mla_ref(q, torch.cat([rows, extra_rows.to(rows.device)]), both.to(q.device),
                                  scale=scale, attn_sink=attn_sink, d_v=fmt.latent_dim)
     return out, lse
+
+
+def head_matmul_ref(x, w, tail=None):
+    """The per-head projections around MLA's latent attention (kernels.head_matmul).
+
+    x: [T, H, K], w: [H, K, N], tail: optional [T, H, R] (any float dtypes).
+    Returns float32 [T, H, N (+ R)]: x[t, h] @ w[h] summed in float64, then tail[t, h] appended.
+    """
+    check_tensor("x", x, ndim=3)
+    check_tensor("w", w, ndim=3)
+    if tuple(w.shape[:2]) != tuple(x.shape[1:]):
+        fail("w.shape", f"({x.shape[1]}, {x.shape[2]}, N)", tuple(w.shape))
+    prod = torch.einsum("thk,hkn->thn", x.double(), w.double().to(x.device)).float()
+    if tail is None:
+        return prod
+    return torch.cat([prod, tail.float()], dim=-1)

@@ -164,7 +164,20 @@ def _launch(q, cache, indices, topk_length, attn_sink, out, scale, fmt, *, confi
     return run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
 
 
-def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, layout=None):
+def layer_plan(q, cache, indices, fmt):
+    """The launch plan of a call that passed sparse_mla_decode's checks, without topk_length or a
+    sink (a fp8_ds_mla or bf16 cache, T >= 1), and the scratch its `run_plan` needs: (plan, lse
+    shape, partials' shapes or None for one split). mla.sparse.impl keeps it per step and cache
+    signature and passes the step's buffers as `scratch`, so a layer allocates nothing."""
+    plan = _get_plan(q, cache, indices, None, None, fmt)
+    T, H = q.shape[0], q.shape[1]
+    splits = plan[5]
+    parts = ((T, splits, H, fmt.latent_dim), (T, splits, H)) if splits > 1 else None
+    return plan, (T, H), parts
+
+
+def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, layout=None,
+             scratch=None):
     """One launch of `plan` (and its merge) on validated inputs with T >= 1; returns lse [T, H].
     The plan's number with q's, indices' and out's strides keys the launch when every pointer is
     16-byte aligned.
@@ -172,15 +185,22 @@ def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, l
     head strides, indices' token stride, out's token and head strides, lse's shape) of tensors
     whose memory is laid out so (mla.flashmla_compat passes its 4-D tensors: with b and s_q
     flattened by one stride, token t = i * s_q + j is one stride from t - 1). The cache is read
-    through the plan's strides, so any view of its memory serves."""
+    through the plan's strides, so any view of its memory serves.
+    scratch: None, or (lse, partial out, partial lse) fp32 tensors of the shapes `layer_plan`
+    gives (the partials None for one split), written instead of new allocations."""
     kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
     if layout is None:
         T, H = q.shape[0], q.shape[1]
         sq, si, so = q.stride(), indices.stride(0), out.stride()
         layout = (T, H, sq[0], sq[1], si, so[0], so[1], (T, H))
     T, H, sq0, sq1, si, so0, so1, lse_shape = layout
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    po, plse = _partials(lse, num_splits, fmt, shape=(T, H))
+    if scratch is None:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        po, plse = _partials(lse, num_splits, fmt, shape=(T, H))
+    else:
+        lse, po, plse = scratch
+        if po is None:
+            po = plse = lse
     sink = attn_sink if attn_sink is not None else lse
     length = topk_length if topk_length is not None else lse
     args = (q, cache, indices, length, sink, out, lse, po, plse, *ints, sq0, sq1,

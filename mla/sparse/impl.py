@@ -24,8 +24,10 @@ from typing import Optional
 
 import torch
 
-from openmla.kernels.index import convert_req_index_to_global
+from openmla.kernels.index import convert_checked, convert_req_index_to_global
+from openmla.kernels.head_matmul import head_matmul, launch_head_matmul
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+from openmla.kernels.sparse_mla_decode.op import layer_plan, run_plan
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from openmla.mla import D_QK, KV_LORA_RANK, ROPE_DIM
 from openmla.mla.absorb import split_kv_b_proj
@@ -130,8 +132,8 @@ class SparseMLAImpl:
                  f"v={v}, L={L}", tuple(weight.shape))
         w_uk, w_uv = split_kv_b_proj(weight, weight_scale_inv, num_heads=H, qk_nope_head_dim=n,
                                      v_head_dim=v)
-        self.W_UK = w_uk.to(torch.bfloat16)
-        self.W_UV = w_uv.to(torch.bfloat16)
+        self.W_UK = w_uk.to(torch.bfloat16).contiguous()
+        self.W_UV = w_uv.to(torch.bfloat16).contiguous()
 
     # ------------------------------------------------------------------ per step
     def build_plan(self, query_start_loc, seq_lens, block_table, slot_mapping, *, block_size: int,
@@ -178,7 +180,7 @@ class SparseMLAImpl:
 
         Returns [T, H, v] bf16: o_h = softmax(scale * q.k over the selected tokens) . V_h, with
         k = [W_UK[h]^T c | k_pe] and V_h = W_UV[h]^T c. The absorption and the output projection
-        are bf16 batched matmuls (fp32 accumulation), rounded to bf16.
+        are bf16 per-head matmuls (kernels.head_matmul: fp32 sums, rounded to bf16).
         """
         if self.W_UK is None:
             raise RuntimeError("SparseMLAImpl.forward: call load_kv_b_proj() first")
@@ -196,21 +198,38 @@ class SparseMLAImpl:
                 check_tensor("out", out, dtype=bf16, shape=(T, H, v))
             check_same_device(q_nope=q_nope, q_pe=q_pe, W_UK=self.W_UK, out=out,
                               **{"plan tensors": plan.req_id_per_token})
-        # the absorbed query and the latent output are step scratch (plan.buffer)
-        q, (q_lat_t, q_rope) = plan.buffer_views("q", (T, H, D_QK), bf16, _query_views)
-        torch.bmm(q_nope.transpose(0, 1), self.W_UK, out=q_lat_t)
-        q_rope.copy_(q_pe)
-        o_lat, o_lat_t = plan.buffer_views("o_lat", (T, H, KV_LORA_RANK), bf16, _transposed)
+        if (self.dcp is None and plan.num_decode_tokens == T and q_nope.stride(2) == 1
+                and q_pe.stride(2) == 1 and (out is None or out.stride(2) == 1)):
+            layer = self._decode_layer(cache, topk_indices, plan)
+            if layer is not None:  # a decode-only step after its first layer (_decode_layer)
+                q = plan.buffer("q", (T, H, D_QK), bf16)
+                o_lat = plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16)
+                launch_head_matmul(q_nope, self.W_UK, q_pe, q)
+                self._run_decode_layer(layer, q, cache, topk_indices, plan, o_lat)
+                if out is None:
+                    out = torch.empty(T, H, v, dtype=bf16, device=dev)
+                launch_head_matmul(o_lat, self.W_UV, None, out)
+                return out
+        # (head_matmul reads rows with a contiguous last dim; any other layout is copied once)
+        if q_nope.stride(2) != 1:
+            q_nope = q_nope.contiguous()
+        if q_pe.stride(2) != 1:
+            q_pe = q_pe.contiguous()
+        # the absorbed query [q_nope W_UK | q_pe] and the latent output are step scratch
+        # (plan.buffer); one launch writes both parts of the query
+        q = plan.buffer("q", (T, H, D_QK), bf16)
+        head_matmul(q_nope, self.W_UK, tail=q_pe, out=q)
+        o_lat = plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16)
         if self.dcp is None:
             self.forward_mqa(q, cache, topk_indices, plan, out=o_lat)
         else:  # this rank's partial over the group's heads, merged across the ranks
             part, lse = self.forward_mqa(self.dcp.gather_heads(q), cache, topk_indices, plan,
                                          return_lse=True)
             self.dcp.merge(part, lse, result=o_lat)
-        if out is None:
-            out = torch.empty(T, H, v, dtype=bf16, device=q.device)
-        torch.bmm(o_lat_t, self.W_UV, out=out.transpose(0, 1))
-        return out
+        if out is not None and out.stride(2) != 1:
+            out.copy_(head_matmul(o_lat, self.W_UV))
+            return out
+        return head_matmul(o_lat, self.W_UV, out=out)
 
     def forward_mqa(self, q: torch.Tensor, cache: torch.Tensor, topk_indices: torch.Tensor,
                     plan: SparseMLAPlan, *, out: Optional[torch.Tensor] = None,
@@ -254,8 +273,17 @@ class SparseMLAImpl:
         if td == T:  # every row through the decode kernel: no slices (decode-only steps)
             n_local = None
             if plan.dcp is None:
-                idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table,
-                                                  topk_indices, bs, seq_lens=plan.seq_lens)
+                layer = self._decode_layer(cache, topk_indices, plan)
+                if layer is not None:
+                    lse = self._run_decode_layer(layer, q, cache, topk_indices, plan, out)
+                else:  # the step's first layer of this cache layout: the checked ops
+                    idx = plan.buffer("slots", tuple(topk_indices.shape), torch.int32)
+                    convert_req_index_to_global(plan.req_id_per_token, plan.block_table,
+                                                topk_indices, bs, seq_lens=plan.seq_lens, out=idx)
+                    _, lse = sparse_mla_decode(q, cache, idx, scale=self.scale, out=out,
+                                               fmt=self.cache_format)
+                    self._remember_decode_layer(q, cache, idx, plan)
+                return (out, lse) if return_lse else out
             else:  # this rank's share of the top-k, in front, bounded by its local lengths
                 local, n_local = plan.dcp.local_topk(topk_indices)
                 idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table, local,
@@ -285,6 +313,42 @@ class SparseMLAImpl:
         return out
 
     # ------------------------------------------------------------------ helpers
+    # A decode-only step (every token through the decode kernel, no DCP) runs the same launches in
+    # every layer. The step's first layer of a cache layout runs the checked ops (the index
+    # conversion, sparse_mla_decode, head_matmul) and leaves in the step's plan what they chose:
+    # the decode op's launch plan and the step buffers (slots, lse, split partials). Later layers
+    # check their own tensors with forward's / forward_mqa's one-expression checks
+    # (`_layer_inputs_ok` for the cache and the indices) and launch directly.
+    def _layer_key(self, cache, topk_indices, plan: SparseMLAPlan) -> tuple:
+        capturing = plan.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return ("decode layer", capturing, cache.shape, cache.stride(), cache.data_ptr() & 15 == 0,
+                topk_indices.shape[1])
+
+    def _decode_layer(self, cache, topk_indices, plan: SparseMLAPlan):
+        """What _remember_decode_layer kept for inputs like these, or None (not yet, or inputs
+        that fail the checks: the caller's checked path then says what is wrong)."""
+        if not self._layer_inputs_ok(cache, topk_indices, plan):
+            return None
+        return plan.scratch.get(self._layer_key(cache, topk_indices, plan))
+
+    def _remember_decode_layer(self, q, cache, idx, plan: SparseMLAPlan) -> None:
+        """After the checked ops ran on q, cache and the slots idx (a plan.buffer): keep the
+        decode op's launch plan and the step buffers it writes."""
+        launch, lse_shape, parts = layer_plan(q, cache, idx, self.cache_format)
+        scratch = (plan.buffer("lse", lse_shape, torch.float32),
+                   None if parts is None else plan.buffer("partial out", parts[0], torch.float32),
+                   None if parts is None else plan.buffer("partial lse", parts[1], torch.float32))
+        plan.scratch[self._layer_key(cache, idx, plan)] = (launch, idx, scratch)
+
+    def _run_decode_layer(self, layer, q, cache, topk_indices, plan: SparseMLAPlan, out):
+        """The index conversion into the step's slots and the decode launch (checked inputs).
+        Returns lse [T, H] (a step buffer)."""
+        launch, idx, scratch = layer
+        convert_checked(plan.req_id_per_token, plan.block_table, topk_indices, plan.block_size,
+                        plan.seq_lens, idx)
+        return run_plan(launch, q, cache, idx, None, None, out, self.scale, self.cache_format,
+                        scratch=scratch)
+
     def _mqa_inputs_ok(self, q, cache, topk_indices, plan, out) -> bool:
         """forward_mqa's boundary checks (the named ones it falls back to: q, the cache in this
         layer's format, the plan's shapes, topk_indices, out, one device) as one expression of
@@ -292,7 +356,15 @@ class SparseMLAImpl:
         T, dev = plan.num_tokens, plan.device
         return (isinstance(q, torch.Tensor) and q.dtype == torch.bfloat16
                 and q.shape == (T, self.attn_heads, D_QK) and q.stride(2) == 1 and q.device == dev
-                and plan.num_heads == self.attn_heads
+                and (out is None or (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+                                     and out.shape == (T, self.attn_heads, KV_LORA_RANK)
+                                     and out.stride(2) == 1 and out.device == dev))
+                and self._layer_inputs_ok(cache, topk_indices, plan))
+
+    def _layer_inputs_ok(self, cache, topk_indices, plan: SparseMLAPlan) -> bool:
+        """The cache and topk_indices part of _mqa_inputs_ok (and the plan's heads and format)."""
+        T, dev = plan.num_tokens, plan.device
+        return (plan.num_heads == self.attn_heads
                 and (plan.cache_format is self.cache_format or plan.cache_format == self.cache_format)
                 and isinstance(cache, torch.Tensor) and cache.dtype == self._cache_dtype
                 and cache.dim() == 3 and cache.shape[1] == plan.block_size
@@ -300,10 +372,7 @@ class SparseMLAImpl:
                 and isinstance(topk_indices, torch.Tensor) and topk_indices.dtype == torch.int32
                 and topk_indices.dim() == 2 and topk_indices.shape[0] == T and topk_indices.shape[1] >= 1
                 and (topk_indices.stride(1) == 1 or topk_indices.shape[1] == 1)
-                and topk_indices.device == dev
-                and (out is None or (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
-                                     and out.shape == (T, self.attn_heads, KV_LORA_RANK)
-                                     and out.stride(2) == 1 and out.device == dev)))
+                and topk_indices.device == dev)
 
     def _check_cache(self, cache: torch.Tensor):
         self.cache_format.check_cache(cache)
@@ -319,11 +388,4 @@ class SparseMLAImpl:
         return self._workspace
 
 
-def _query_views(q: torch.Tensor) -> tuple:
-    """The absorbed query's latent part as the absorption bmm writes it ([H, T, 512]) and its rope
-    part."""
-    return q[:, :, :KV_LORA_RANK].transpose(0, 1), q[:, :, KV_LORA_RANK:]
 
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(0, 1)

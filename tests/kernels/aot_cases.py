@@ -13,6 +13,7 @@ import itertools
 
 import torch
 
+from openmla.kernels.head_matmul import head_matmul
 from openmla.kernels.index import convert_req_index_to_global
 from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, topk_per_row
 from openmla.kernels.merge import merge_attn_states
@@ -230,6 +231,12 @@ def misc_cases():
     yield "index-workspace", lambda: convert_req_index_to_global(
         _ints(4), _ints(2, 8), _ints(4, 2048), 64,
         workspace=(torch.tensor([0, 0, -1, -1], dtype=I32), torch.zeros(1, dtype=I32)))
+    # SparseMLAImpl's absorption (with the rope tail) and output projection, DeepSeek's sizes
+    yield "head_matmul-absorb-T1", lambda: head_matmul(torch.zeros(1, 16, 128, dtype=BF16),
+                                                       torch.zeros(16, 128, 512, dtype=BF16),
+                                                       tail=torch.zeros(1, 16, 64, dtype=BF16))
+    yield "head_matmul-project-T64", lambda: head_matmul(torch.zeros(64, 16, 512, dtype=BF16),
+                                                         torch.zeros(16, 512, 128, dtype=BF16))
 
 
 
@@ -270,6 +277,7 @@ CORE = (
     "paged-gqa4-d128-decode-bfloat16-int8_qkv",
     "write_kv_cache-bfloat16-fp8", "write_kv_cache-float16-int8_qk",
     "int8-per-token-head", "int8-per-channel", "merge-bfloat16", "index-workspace",
+    "head_matmul-absorb-T1", "head_matmul-project-T64",
     "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row", "decode_topk-split",
 )
 EXTRA = (

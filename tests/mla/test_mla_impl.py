@@ -365,3 +365,63 @@ def test_indices_past_seq_len_are_skipped(kv, fp8_path, H, bs, ws):
     assert_close("out", out, step.reference(reference_weight(w8, s), H), "bf16")
     empty = [t for t, r in enumerate(toks) if (r, t - toks.index(r)) in EMPTY_ROWS]
     assert len(empty) == 2 and torch.count_nonzero(out[empty]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The layers of one decode step: the first runs the checked ops and keeps their launch plan and
+# buffers in the step's plan, the later ones launch directly; every layer as if it were alone.
+# ----------------------------------------------------------------------------------------------
+LAYERS_CASES = [  # kv_cache_dtype, fp8_path, H
+    pytest.param("bf16", None, 4, id="bf16-H4"),
+    pytest.param("fp8_ds_mla", "mixed", 16, id="fp8-mixed-H16"),
+    pytest.param("fp8_ds_mla", "separate", 8, id="fp8-separate-H8"),
+]
+
+
+@pytest.mark.parametrize("kv,fp8_path,H", LAYERS_CASES)
+def test_layers_of_a_decode_step(kv, fp8_path, H):
+    g = torch.Generator().manual_seed(H)
+    layers, weights = [], []
+    for _ in range(3):
+        impl = SparseMLAImpl(H, SCALE, kv, max_model_len=64, fp8_path=fp8_path)
+        w8, s = kv_b_proj_fp8(H, g)
+        impl.load_kv_b_proj(w8.to(DEVICE), s.to(DEVICE))
+        layers.append(impl)
+        weights.append(reference_weight(w8, s))
+    step = Step(layers[0], [(20, 1), (7, 1), (33, 1), (2, 1)], block_size=16, topk=40, padding=0,
+                seed=H, empty_rows=[(3, 0)])
+    plan = step.plan(layers[0], threshold=1)
+    assert plan.is_decode_only and plan.num_decode_tokens == step.T
+    # layer 1: the step's cache in another layout (row stride 16 bytes / elements longer, a
+    # separate record); layer 2: the step's cache again (the record layer 0 left); every layer
+    # its own subset of the step's indices (a third of them dropped) in its own order
+    wide = step.cache.new_empty(step.cache.shape[:2] + (step.cache.shape[2] + 16,))[..., :step.cache.shape[2]]
+    wide.copy_(step.cache)
+    caches = [step.cache, wide, step.cache]
+    all_idx, all_ref = step.topk_indices.cpu(), step.ref_idx
+    for i, (impl, cache) in enumerate(zip(layers, caches)):
+        perm = torch.randperm(all_idx.shape[1], generator=g)
+        drop = torch.rand(all_idx.shape, generator=g) < (0.34 if i else 0.0)
+        idx = all_idx[:, perm].masked_fill(drop, -1).contiguous().to(DEVICE)
+        step.ref_idx = all_ref[:, perm].masked_fill(drop, -1)
+        out = impl.forward(step.q_nope, step.q_pe, cache, idx, plan)
+        assert_close(f"layer {i}", out, step.reference(weights[i], H), "bf16")
+        alone = impl.forward(step.q_nope, step.q_pe, cache, idx, step.plan(impl, threshold=1))
+        assert torch.equal(out, alone), f"layer {i}: differs from the same layer on a fresh plan"
+        again = torch.empty_like(out)
+        assert impl.forward(step.q_nope, step.q_pe, cache, idx, plan, out=again) is again
+        assert torch.equal(again, out)
+    # (a decode-only step runs every token through the decode kernel, on every path)
+    assert sum(k[0] == "decode layer" for k in plan.scratch if isinstance(k, tuple)) == 2
+    # a later layer's bad inputs still raise the named errors
+    step.ref_idx = all_ref
+    impl = layers[2]
+    with pytest.raises(ValueError, match="topk_indices"):
+        impl.forward(step.q_nope, step.q_pe, step.cache, step.topk_indices.long(), plan)
+    with pytest.raises(ValueError, match="cache"):
+        impl.forward(step.q_nope, step.q_pe, step.cache[:, :8], step.topk_indices, plan)
+    with pytest.raises(ValueError, match="q_pe.dtype"):
+        impl.forward(step.q_nope, step.q_pe.half(), step.cache, step.topk_indices, plan)
+    with pytest.raises(ValueError, match="out"):
+        impl.forward(step.q_nope, step.q_pe, step.cache, step.topk_indices, plan,
+                     out=torch.empty(step.T, H, V_DIM + 1, dtype=torch.bfloat16, device=DEVICE))
