@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from openmla.kernels.device import num_sms
+from openmla.kernels.index import convert_row
 from openmla.kernels.launch import FastLaunch, cdiv, next_pow2
 from openmla.quant.validate import CheckedCalls, check_same_device, check_tensor, fail, tensor_signature
 
@@ -36,9 +37,40 @@ def head_matmul_kernel(x_ptr, w_ptr, tail_ptr, out_ptr, T, K, N, R,
                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr):
     # token blocks vary fastest, so programs that read the same weight block run side by side
-    i_t = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_h = tl.program_id(2).to(tl.int64)
+    _tile(tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
+          x_ptr, w_ptr, tail_ptr, out_ptr, T, K, N, R, stride_xt, stride_xh, stride_wh, stride_wk,
+          stride_tt, stride_th, stride_ot, stride_oh, BLOCK_T, BLOCK_N, BLOCK_K, HAS_TAIL, BLOCK_R)
+
+
+@triton.jit
+def absorb_convert_kernel(x_ptr, w_ptr, tail_ptr, out_ptr, T, K, N, R,
+                          stride_xt, stride_xh, stride_wh, stride_wk, stride_tt, stride_th,
+                          stride_ot, stride_oh, T_BLOCKS, N_BLOCKS, MM_PROGRAMS,
+                          req_id_ptr, block_table_ptr, tok_ptr, slots_ptr, len_ptr,
+                          KI, M, R_REQ, block_size, stride_bt, stride_tok, stride_slots,
+                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KI: tl.constexpr):
+    """A decode layer's prologue in one launch: the first MM_PROGRAMS programs are head_matmul_kernel's
+    grid (token block fastest, then column block, then head), the rest convert one token's
+    per-request indices to slots each (kernels.index.convert_row, with the requests' lengths)."""
+    pid = tl.program_id(0)
+    if pid < MM_PROGRAMS:
+        _tile(pid % T_BLOCKS, (pid // T_BLOCKS) % N_BLOCKS, (pid // (T_BLOCKS * N_BLOCKS)).to(tl.int64),
+              x_ptr, w_ptr, tail_ptr, out_ptr, T, K, N, R, stride_xt, stride_xh, stride_wh, stride_wk,
+              stride_tt, stride_th, stride_ot, stride_oh, BLOCK_T, BLOCK_N, BLOCK_K, HAS_TAIL, BLOCK_R)
+    else:
+        convert_row((pid - MM_PROGRAMS).to(tl.int64), req_id_ptr, block_table_ptr, tok_ptr, slots_ptr,
+                    slots_ptr, slots_ptr, slots_ptr, len_ptr, KI, M, R_REQ, 0, block_size,
+                    stride_bt, stride_tok, stride_slots, BLOCK_KI, False, False, True)
+
+
+@triton.jit
+def _tile(i_t, i_n, i_h, x_ptr, w_ptr, tail_ptr, out_ptr, T, K, N, R,
+          stride_xt, stride_xh, stride_wh, stride_wk, stride_tt, stride_th, stride_ot, stride_oh,
+          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[t, h, n] for the BLOCK_T tokens of block i_t, the BLOCK_N columns of block i_n, head
+    i_h (int64); with HAS_TAIL the programs of column block 0 also copy the tail."""
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
@@ -112,6 +144,45 @@ def launch_head_matmul(x, w, tail, out) -> None:
     the layers of a decode step after its first)."""
     if x.shape[0] > 0 and x.shape[1] > 0:
         _launch(x, w, tail, out)
+
+
+_PROLOGUE = FastLaunch(absorb_convert_kernel)
+
+
+def launch_absorb_convert(x, w, tail, out, req_id, block_table, token_indices, block_size, seq_lens,
+                          slots) -> None:
+    """One launch doing what launch_head_matmul(x, w, tail, out) and kernels.index.convert_checked(
+    req_id, block_table, token_indices, block_size, seq_lens, slots) do, with the same results bit
+    for bit (the same tile code and block sizes; the same conversion), for a caller whose tensors
+    passed both ops' checks before (mla.sparse.impl: the layers of a decode step after its first).
+    req_id contiguous, T >= 1 tokens."""
+    T, H, K = x.shape
+    N = w.shape[2]
+    R = tail.shape[2]
+    key = (x.device, T, H, K, N, R)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(T, H, K, N, R, num_sms(x.device))
+    (t_blocks, n_blocks, _), consts = plan
+    mm = t_blocks * n_blocks * H
+    KI = token_indices.shape[1]
+    sx, st, so = x.stride(), tail.stride(), out.stride()
+    args = (x, w, tail, out, T, K, N, R, sx[0], sx[1], w.stride(0), w.stride(1), st[0], st[1], so[0],
+            so[1], t_blocks, n_blocks, mm, req_id, block_table, token_indices, slots, seq_lens,
+            KI, block_table.shape[1], block_table.shape[0], block_size, block_table.stride(0),
+            token_indices.stride(0), slots.stride(0))
+    block_ki = min(1024, next_pow2(max(KI, 16)))
+    grid = (mm + token_indices.shape[0],)
+    if (x.data_ptr() | w.data_ptr() | tail.data_ptr() | out.data_ptr() | req_id.data_ptr()
+            | block_table.data_ptr() | token_indices.data_ptr() | slots.data_ptr()
+            | seq_lens.data_ptr()) & 15 == 0:
+        # the sizes, the strides and the (checked) dtypes fix every specialization
+        _PROLOGUE.keyed((key, x.dtype, out.dtype, *args[8:19], *args[24:]), grid, *args,
+                        BLOCK_KI=block_ki, **consts)
+    else:
+        _PROLOGUE(grid, *args, BLOCK_KI=block_ki, **consts)
 
 
 # call signatures that passed head_matmul's checks

@@ -33,7 +33,20 @@ def convert_req_index_to_global_kernel(
     stride_bt, stride_tok, stride_out,
     BLOCK_K: tl.constexpr, HAS_WS: tl.constexpr, COUNT: tl.constexpr, HAS_LEN: tl.constexpr,
 ):
-    i_t = tl.program_id(0).to(tl.int64)
+    convert_row(tl.program_id(0).to(tl.int64), req_id_ptr, block_table_ptr, tok_ptr, out_ptr,
+                count_ptr, ws_rid_ptr, ws_start_ptr, len_ptr, K, M, R, R_WS, block_size,
+                stride_bt, stride_tok, stride_out, BLOCK_K, HAS_WS, COUNT, HAS_LEN)
+
+
+@triton.jit
+def convert_row(
+    i_t, req_id_ptr, block_table_ptr, tok_ptr, out_ptr, count_ptr, ws_rid_ptr, ws_start_ptr, len_ptr,
+    K, M, R, R_WS, block_size,
+    stride_bt, stride_tok, stride_out,
+    BLOCK_K: tl.constexpr, HAS_WS: tl.constexpr, COUNT: tl.constexpr, HAS_LEN: tl.constexpr,
+):
+    """Token i_t's row (int64): the kernel's work for one program (kernels.head_matmul's layer
+    prologue runs it beside the absorption)."""
     req = tl.load(req_id_ptr + i_t).to(tl.int64)
     req_ok = (req >= 0) & (req < R)
     if HAS_LEN:

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from openmla.kernels.index import convert_checked, convert_req_index_to_global
-from openmla.kernels.head_matmul import head_matmul, launch_head_matmul
+from openmla.kernels.head_matmul import head_matmul, launch_absorb_convert, launch_head_matmul
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.kernels.sparse_mla_decode.op import layer_plan, run_plan
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
@@ -202,10 +202,17 @@ class SparseMLAImpl:
                 and q_pe.stride(2) == 1 and (out is None or out.stride(2) == 1)):
             layer = self._decode_layer(cache, topk_indices, plan)
             if layer is not None:  # a decode-only step after its first layer (_decode_layer)
-                q = plan.buffer("q", (T, H, D_QK), bf16)
-                o_lat = plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16)
-                launch_head_matmul(q_nope, self.W_UK, q_pe, q)
-                self._run_decode_layer(layer, q, cache, topk_indices, plan, o_lat)
+                launch, idx, scratch, bufs = layer
+                if bufs is None:  # the step's query and latent output buffers, kept with the record
+                    bufs = layer[3] = (plan.buffer("q", (T, H, D_QK), bf16),
+                                       plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16))
+                q, o_lat = bufs
+                # the absorption (rope tail included) and the index conversion in one launch
+                launch_absorb_convert(q_nope, self.W_UK, q_pe, q, plan.req_id_per_token,
+                                      plan.block_table, topk_indices, plan.block_size,
+                                      plan.seq_lens, idx)
+                run_plan(launch, q, cache, idx, None, None, o_lat, self.scale, self.cache_format,
+                         scratch=scratch)
                 if out is None:
                     out = torch.empty(T, H, v, dtype=bf16, device=dev)
                 launch_head_matmul(o_lat, self.W_UV, None, out)
@@ -338,12 +345,12 @@ class SparseMLAImpl:
         scratch = (plan.buffer("lse", lse_shape, torch.float32),
                    None if parts is None else plan.buffer("partial out", parts[0], torch.float32),
                    None if parts is None else plan.buffer("partial lse", parts[1], torch.float32))
-        plan.scratch[self._layer_key(cache, idx, plan)] = (launch, idx, scratch)
+        plan.scratch[self._layer_key(cache, idx, plan)] = [launch, idx, scratch, None]
 
     def _run_decode_layer(self, layer, q, cache, topk_indices, plan: SparseMLAPlan, out):
         """The index conversion into the step's slots and the decode launch (checked inputs).
         Returns lse [T, H] (a step buffer)."""
-        launch, idx, scratch = layer
+        launch, idx, scratch, _ = layer
         convert_checked(plan.req_id_per_token, plan.block_table, topk_indices, plan.block_size,
                         plan.seq_lens, idx)
         return run_plan(launch, q, cache, idx, None, None, out, self.scale, self.cache_format,

@@ -392,9 +392,18 @@ def test_layers_of_a_decode_step(kv, fp8_path, H):
                 seed=H, empty_rows=[(3, 0)])
     plan = step.plan(layers[0], threshold=1)
     assert plan.is_decode_only and plan.num_decode_tokens == step.T
+    # stale finite latents past each request's tokens in its last block (a freed block's old
+    # tokens): an index at or past seq_len must not read them on the later layers' path either
+    R, bt, bs = step.T, step.block_table.cpu(), 16
+    stale = [int(bt[r, p // bs]) * bs + p % bs for r in range(R)
+             for p in range(step.seq[r], -(-step.seq[r] // bs) * bs)]
+    layers[0].write_cache(torch.randn(len(stale), L, generator=g).to(torch.bfloat16).to(DEVICE),
+                          torch.randn(len(stale), ROPE, generator=g).to(torch.bfloat16).to(DEVICE),
+                          step.cache, torch.tensor(stale, dtype=torch.int32, device=DEVICE))
     # layer 1: the step's cache in another layout (row stride 16 bytes / elements longer, a
     # separate record); layer 2: the step's cache again (the record layer 0 left); every layer
-    # its own subset of the step's indices (a third of them dropped) in its own order
+    # its own subset of the step's indices (a third of them replaced by positions past the
+    # request: seq_len, seq_len + 1 and the next request's range) in its own order
     wide = step.cache.new_empty(step.cache.shape[:2] + (step.cache.shape[2] + 16,))[..., :step.cache.shape[2]]
     wide.copy_(step.cache)
     caches = [step.cache, wide, step.cache]
@@ -402,7 +411,13 @@ def test_layers_of_a_decode_step(kv, fp8_path, H):
     for i, (impl, cache) in enumerate(zip(layers, caches)):
         perm = torch.randperm(all_idx.shape[1], generator=g)
         drop = torch.rand(all_idx.shape, generator=g) < (0.34 if i else 0.0)
-        idx = all_idx[:, perm].masked_fill(drop, -1).contiguous().to(DEVICE)
+        idx = all_idx[:, perm].clone()
+        for t in range(R):  # token t is request t's query
+            n, nxt = step.seq[t], step.seq[(t + 1) % R]
+            past = torch.tensor([n, n + 1] + [n + j for j in range(nxt)], dtype=torch.int32)
+            cols = drop[t].nonzero().flatten()
+            idx[t, cols] = past[torch.arange(len(cols)) % len(past)]
+        idx = idx.contiguous().to(DEVICE)
         step.ref_idx = all_ref[:, perm].masked_fill(drop, -1)
         out = impl.forward(step.q_nope, step.q_pe, cache, idx, plan)
         assert_close(f"layer {i}", out, step.reference(weights[i], H), "bf16")
