@@ -117,7 +117,8 @@ def _plan(T, H, K, N, R, sms):
     return grid, consts
 
 
-def _launch(x, w, tail, out):
+def _get_plan(x, w, tail):
+    """(plan key, (grid, constexprs)) of head_matmul(x, w, tail=tail), cached per key."""
     T, H, K = x.shape
     N = w.shape[2]
     R = tail.shape[2] if tail is not None else 0
@@ -127,7 +128,12 @@ def _launch(x, w, tail, out):
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         plan = _PLANS[key] = _plan(T, H, K, N, R, num_sms(x.device))
-    grid, consts = plan
+    return key, plan
+
+
+def _launch(x, w, tail, out):
+    key, (grid, consts) = _get_plan(x, w, tail)
+    _, T, _, K, N, R = key
     t = tail if tail is not None else x
     sx, st, so = x.stride(), t.stride(), out.stride()
     args = (x, w, t, out, T, K, N, R, sx[0], sx[1], w.stride(0), w.stride(1), st[0], st[1], so[0], so[1])
@@ -156,16 +162,8 @@ def launch_absorb_convert(x, w, tail, out, req_id, block_table, token_indices, b
     for bit (the same tile code and block sizes; the same conversion), for a caller whose tensors
     passed both ops' checks before (mla.sparse.impl: the layers of a decode step after its first).
     req_id contiguous, T >= 1 tokens."""
-    T, H, K = x.shape
-    N = w.shape[2]
-    R = tail.shape[2]
-    key = (x.device, T, H, K, N, R)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(T, H, K, N, R, num_sms(x.device))
-    (t_blocks, n_blocks, _), consts = plan
+    key, ((t_blocks, n_blocks, H), consts) = _get_plan(x, w, tail)
+    _, T, _, K, N, R = key
     mm = t_blocks * n_blocks * H
     KI = token_indices.shape[1]
     sx, st, so = x.stride(), tail.stride(), out.stride()
