@@ -221,6 +221,43 @@ def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, l
     return lse
 
 
+def bind_layer(plan, q, indices, out, scratch, fmt):
+    """run_plan(plan, q, cache, indices, None, None, out, scale, fmt, scratch=scratch) with
+    everything but the cache and the scale fixed: returns `run(cache, scale) -> lse`, which makes
+    the same launches with an argument list built once. For a decode step's later layers
+    (mla.sparse.impl), whose q, slots, latent output and scratch are the step's buffers and whose
+    caches share the layout `plan` was made for (the plan fixes the cache's strides; the caller
+    guarantees them)."""
+    kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
+    T, H = q.shape[0], q.shape[1]
+    sq, si, so = q.stride(), indices.stride(0), out.stride()
+    lse, po, plse = scratch
+    if po is None:
+        po = plse = lse
+    # (lse stands in for the absent lengths and sink, as in run_plan)
+    mid = (indices, lse, lse, out, lse, po, plse, *ints, sq[0], sq[1], *cache_strides, si, so[0], so[1])
+    fixed_aligned = (q.data_ptr() | indices.data_ptr() | out.data_ptr() | lse.data_ptr()) & 15 == 0
+    lkey = (pid, sq[0], sq[1], si, so[0], so[1])
+    if num_splits > 1:
+        mgrid, mconsts = merge or _merge_plan(T, H, num_splits, False, fmt, num_sms(q.device))
+        margs = (po, plse, lse, out, lse, H, num_splits, so[0], so[1])
+
+    def run(cache, scale):
+        args = (q, cache, *mid, float(scale) * LOG2E)
+        aligned = fixed_aligned and cache.data_ptr() & 15 == 0
+        if aligned:
+            kernel.keyed(lkey, grid, *args, **consts)
+        else:
+            kernel(grid, *args, **consts)
+        if num_splits > 1:
+            if aligned:
+                _MERGE.keyed(lkey, mgrid, *margs, **mconsts)
+            else:
+                _MERGE(mgrid, *margs, **mconsts)
+        return lse
+    return run
+
+
 def _merge_plan(T, H, num_splits, has_sink, fmt, sms, inf_empty=False):
     """The merge kernel's grid and constexprs."""
     block_s, block_h, _ = parts_tile(T, H, fmt.latent_dim, num_splits, sms)
