@@ -371,15 +371,19 @@ def test_indices_past_seq_len_are_skipped(kv, fp8_path, H, bs, ws):
 # The layers of one decode step: the first runs the checked ops and keeps their launch plan and
 # buffers in the step's plan, the later ones launch directly; every layer as if it were alone.
 # ----------------------------------------------------------------------------------------------
-LAYERS_CASES = [  # kv_cache_dtype, fp8_path, H
-    pytest.param("bf16", None, 4, id="bf16-H4"),
-    pytest.param("fp8_ds_mla", "mixed", 16, id="fp8-mixed-H16"),
-    pytest.param("fp8_ds_mla", "separate", 8, id="fp8-separate-H8"),
+# a top-k the decode splits on every path (the CPU's 8 SMs and 64-key blocks; Hopper's 128-key blocks)
+SPLIT_TOPK = 520 if DEVICE == "cpu" else 1100
+LAYERS_CASES = [  # kv_cache_dtype, fp8_path, H, topk
+    pytest.param("bf16", None, 4, 40, id="bf16-H4"),
+    pytest.param("fp8_ds_mla", "mixed", 16, 40, id="fp8-mixed-H16"),
+    pytest.param("fp8_ds_mla", "separate", 8, 40, id="fp8-separate-H8"),
+    pytest.param("fp8_ds_mla", "mixed", 4, SPLIT_TOPK, id="fp8-mixed-H4-split"),
+    pytest.param("bf16", None, 2, SPLIT_TOPK, id="bf16-H2-split"),
 ]
 
 
-@pytest.mark.parametrize("kv,fp8_path,H", LAYERS_CASES)
-def test_layers_of_a_decode_step(kv, fp8_path, H):
+@pytest.mark.parametrize("kv,fp8_path,H,topk", LAYERS_CASES)
+def test_layers_of_a_decode_step(kv, fp8_path, H, topk):
     g = torch.Generator().manual_seed(H)
     layers, weights = [], []
     for _ in range(3):
@@ -388,7 +392,7 @@ def test_layers_of_a_decode_step(kv, fp8_path, H):
         impl.load_kv_b_proj(w8.to(DEVICE), s.to(DEVICE))
         layers.append(impl)
         weights.append(reference_weight(w8, s))
-    step = Step(layers[0], [(20, 1), (7, 1), (33, 1), (2, 1)], block_size=16, topk=40, padding=0,
+    step = Step(layers[0], [(20, 1), (7, 1), (33, 1), (2, 1)], block_size=16, topk=topk, padding=0,
                 seed=H, empty_rows=[(3, 0)])
     plan = step.plan(layers[0], threshold=1)
     assert plan.is_decode_only and plan.num_decode_tokens == step.T
@@ -427,7 +431,10 @@ def test_layers_of_a_decode_step(kv, fp8_path, H):
         assert impl.forward(step.q_nope, step.q_pe, cache, idx, plan, out=again) is again
         assert torch.equal(again, out)
     # (a decode-only step runs every token through the decode kernel, on every path)
-    assert sum(k[0] == "decode layer" for k in plan.scratch if isinstance(k, tuple)) == 2
+    records = [r for k, r in plan.scratch.items() if isinstance(k, tuple) and k[0] == "decode layer"]
+    assert len(records) == 2
+    # the split cases reach the fused merge + projection (the record keeps the partials)
+    assert all((rec[2][1] is not None) == (topk == SPLIT_TOPK) for rec in records)
     # a later layer's bad inputs still raise the named errors
     step.ref_idx = all_ref
     impl = layers[2]
