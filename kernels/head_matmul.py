@@ -24,7 +24,6 @@ import triton.language as tl
 
 from openmla.kernels.device import num_sms
 from openmla.kernels.index import convert_row
-from openmla.kernels.merge import merge_finish, merge_parts
 from openmla.kernels.launch import FastLaunch, cdiv, next_pow2
 from openmla.quant.validate import CheckedCalls, check_same_device, check_tensor, fail, tensor_signature
 
@@ -63,47 +62,6 @@ def absorb_convert_kernel(x_ptr, w_ptr, tail_ptr, out_ptr, T, K, N, R,
         convert_row((pid - MM_PROGRAMS).to(tl.int64), req_id_ptr, block_table_ptr, tok_ptr, slots_ptr,
                     slots_ptr, slots_ptr, slots_ptr, len_ptr, KI, M, R_REQ, 0, block_size,
                     stride_bt, stride_tok, stride_slots, BLOCK_KI, False, False, True)
-
-
-@triton.jit
-def merge_project_kernel(po_ptr, plse_ptr, lat_ptr, lse_ptr, w_ptr, out_ptr, T, H, NUM_SPLITS, N,
-                         stride_lt, stride_lh, stride_wh, stride_wk, stride_ot, stride_oh,
-                         N_BLOCKS,
-                         BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A split decode layer's epilogue in one launch, program (token block, head): merge each
-    token's NUM_SPLITS partials po [T, S, H, DV] / plse [T, S, H] into the latent row lat[t, h]
-    (bf16) and lse[t, h], as the decode op's merge kernel does a row (BLOCK_S parts a step,
-    kernels.merge.merge_parts; no sink), then out[t, h] = lat[t, h] @ w[h] for the block's tokens
-    with head_matmul_kernel's tiles, reading back the rows this program wrote (the same results
-    bit for bit as the merge kernel followed by head_matmul)."""
-    i_t = tl.program_id(0)
-    i_h = tl.program_id(1)
-    o_s = tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, DV)
-    for j in range(0, BLOCK_T):
-        t = i_t * BLOCK_T + j
-        if t < T:
-            t64 = t.to(tl.int64)
-            acc = tl.zeros([1, DV], tl.float32)
-            m_i = tl.full([1], float("-inf"), tl.float32)
-            l_i = tl.zeros([1], tl.float32)
-            for s0 in range(0, NUM_SPLITS, BLOCK_S):
-                m_s = (o_s + s0) < NUM_SPLITS
-                row = ((t64 * NUM_SPLITS + (o_s + s0)) * H + i_h)[:, None]  # [BLOCK_S, 1]
-                b_lse = tl.load(plse_ptr + row, mask=m_s[:, None], other=float("-inf"))
-                b_out = tl.load(po_ptr + row[:, :, None] * DV + o_d[None, None, :],
-                                mask=m_s[:, None, None], other=0.0)
-                acc, m_i, l_i = merge_parts(acc, m_i, l_i, b_out, b_lse)
-            b_o, b_lse = merge_finish(acc, m_i, l_i)
-            tl.store(lat_ptr + t64 * stride_lt + i_h * stride_lh + o_d[None, :],
-                     b_o.to(lat_ptr.dtype.element_ty))
-            tl.store(lse_ptr + t64 * H + i_h + tl.arange(0, 1), b_lse)
-    tl.debug_barrier()  # the block's latent rows, written by this program's threads, are read below
-    for i_n in range(0, N_BLOCKS):
-        _tile(i_t, i_n, i_h.to(tl.int64), lat_ptr, w_ptr, lat_ptr, out_ptr, T, DV, N, 0,
-              stride_lt, stride_lh, stride_wh, stride_wk, 0, 0, stride_ot, stride_oh,
-              BLOCK_T, BLOCK_N, BLOCK_K, False, 16)
 
 
 @triton.jit
@@ -223,31 +181,6 @@ def launch_absorb_convert(x, w, tail, out, req_id, block_table, token_indices, b
                         BLOCK_KI=block_ki, **consts)
     else:
         _PROLOGUE(grid, *args, BLOCK_KI=block_ki, **consts)
-
-
-_EPILOGUE = FastLaunch(merge_project_kernel)
-
-
-def launch_merge_project(po, plse, lat, lse, w, out, block_s) -> None:
-    """The merge kernel of a split decode (partials po [T, S, H, DV] fp32, plse [T, S, H] fp32,
-    merged into lat [T, H, DV] and lse [T, H], `block_s` partials a step) and then
-    launch_head_matmul(lat, w, None, out), in one launch with the same results bit for bit
-    (merge_project_kernel). For mla.sparse.impl's later layers: tensors of the shapes, dtypes and
-    device those two launches take, po / plse / lse contiguous, T >= 1."""
-    T, S, H, DV = po.shape
-    key, ((t_blocks, n_blocks, _), consts) = _get_plan(lat, w, None)
-    sl, so = lat.stride(), out.stride()
-    args = (po, plse, lat, lse, w, out, T, H, S, key[4], sl[0], sl[1], w.stride(0), w.stride(1),
-            so[0], so[1], n_blocks)
-    kc = dict(BLOCK_S=block_s, DV=DV, BLOCK_T=consts["BLOCK_T"], BLOCK_N=consts["BLOCK_N"],
-              BLOCK_K=consts["BLOCK_K"], num_warps=consts["num_warps"], num_stages=consts["num_stages"])
-    grid = (t_blocks, H)
-    if (po.data_ptr() | plse.data_ptr() | lat.data_ptr() | lse.data_ptr() | w.data_ptr()
-            | out.data_ptr()) & 15 == 0:
-        # the sizes, the strides, block_s and the (checked) dtypes fix every specialization
-        _EPILOGUE.keyed((key, S, block_s, lat.dtype, out.dtype, *args[10:]), grid, *args, **kc)
-    else:
-        _EPILOGUE(grid, *args, **kc)
 
 
 # call signatures that passed head_matmul's checks

@@ -221,15 +221,13 @@ def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, l
     return lse
 
 
-def bind_layer(plan, q, indices, out, scratch, fmt, *, merge_here=True):
+def bind_layer(plan, q, indices, out, scratch, fmt):
     """run_plan(plan, q, cache, indices, None, None, out, scale, fmt, scratch=scratch) with
     everything but the cache and the scale fixed: returns `run(cache, scale) -> lse`, which makes
     the same launches with an argument list built once. For a decode step's later layers
     (mla.sparse.impl), whose q, slots, latent output and scratch are the step's buffers and whose
     caches share the layout `plan` was made for (the plan fixes the cache's strides; the caller
-    guarantees them). merge_here=False: a split plan's run leaves the partials in the scratch
-    for the caller to merge (kernels.head_matmul.launch_merge_project, with merge_block_s(plan));
-    lse is then not written."""
+    guarantees them)."""
     kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
     T, H = q.shape[0], q.shape[1]
     sq, si, so = q.stride(), indices.stride(0), out.stride()
@@ -251,19 +249,13 @@ def bind_layer(plan, q, indices, out, scratch, fmt, *, merge_here=True):
             kernel.keyed(lkey, grid, *args, **consts)
         else:
             kernel(grid, *args, **consts)
-        if num_splits > 1 and merge_here:
+        if num_splits > 1:
             if aligned:
                 _MERGE.keyed(lkey, mgrid, *margs, **mconsts)
             else:
                 _MERGE(mgrid, *margs, **mconsts)
         return lse
     return run
-
-
-def merge_block_s(plan) -> int:
-    """Partials a step of the merge kernel that `plan` launches (a fused merge that must give the
-    same bits folds them as many at a time)."""
-    return plan[6][1]["BLOCK_S"]
 
 
 def _merge_plan(T, H, num_splits, has_sink, fmt, sms, inf_empty=False):

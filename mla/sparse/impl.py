@@ -25,10 +25,9 @@ from typing import Optional
 import torch
 
 from openmla.kernels.index import convert_checked, convert_req_index_to_global
-from openmla.kernels.head_matmul import (head_matmul, launch_absorb_convert, launch_head_matmul,
-                                         launch_merge_project)
+from openmla.kernels.head_matmul import head_matmul, launch_absorb_convert, launch_head_matmul
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
-from openmla.kernels.sparse_mla_decode.op import bind_layer, layer_plan, merge_block_s, run_plan
+from openmla.kernels.sparse_mla_decode.op import bind_layer, layer_plan, run_plan
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from openmla.mla import D_QK, KV_LORA_RANK, ROPE_DIM
 from openmla.mla.absorb import split_kv_b_proj
@@ -207,24 +206,17 @@ class SparseMLAImpl:
                 if bound is None:  # the step's query and latent output, and the decode bound to them
                     q = plan.buffer("q", (T, H, D_QK), bf16)
                     o_lat = plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16)
-                    split = scratch[1] is not None
                     bound = layer[3] = (q, o_lat, bind_layer(launch, q, idx, o_lat, scratch,
-                                                             self.cache_format, merge_here=not split),
-                                        merge_block_s(launch) if split else 0)
-                q, o_lat, decode, block_s = bound
-                # three launches: the absorption (rope tail included) with the index conversion,
-                # the decode, and the projection (with the merge of the splits' partials before it)
+                                                             self.cache_format))
+                q, o_lat, decode = bound
+                # the absorption (rope tail included) and the index conversion in one launch
                 launch_absorb_convert(q_nope, self.W_UK, q_pe, q, plan.req_id_per_token,
                                       plan.block_table, topk_indices, plan.block_size,
                                       plan.seq_lens, idx)
                 decode(cache, self.scale)
                 if out is None:
                     out = torch.empty(T, H, v, dtype=bf16, device=dev)
-                if block_s:
-                    lse, po, plse = scratch
-                    launch_merge_project(po, plse, o_lat, lse, self.W_UV, out, block_s)
-                else:
-                    launch_head_matmul(o_lat, self.W_UV, None, out)
+                launch_head_matmul(o_lat, self.W_UV, None, out)
                 return out
         # (head_matmul reads rows with a contiguous last dim; any other layout is copied once)
         if q_nope.stride(2) != 1:

@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from openmla.kernels.head_matmul import head_matmul, launch_absorb_convert, launch_merge_project
+from openmla.kernels.head_matmul import head_matmul, launch_absorb_convert
 from openmla.kernels.index import convert_req_index_to_global
 from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, topk_per_row
 from openmla.kernels.merge import merge_attn_states
@@ -242,10 +242,6 @@ def misc_cases():
         torch.zeros(1, 16, 128, dtype=BF16), torch.zeros(16, 128, 512, dtype=BF16),
         torch.zeros(1, 16, 64, dtype=BF16), torch.zeros(1, 16, 576, dtype=BF16), _ints(1),
         _ints(1, 8), _ints(1, 2048), 64, _ints(1), _ints(1, 2048))
-    # and their epilogue on split steps: the merge of 4 partials and the output projection
-    yield "merge_project-T1", lambda: launch_merge_project(
-        torch.zeros(1, 4, 16, 512), torch.zeros(1, 4, 16), torch.zeros(1, 16, 512, dtype=BF16),
-        torch.zeros(1, 16), torch.zeros(16, 512, 128, dtype=BF16), torch.zeros(1, 16, 128, dtype=BF16), 4)
 
 
 
@@ -286,7 +282,7 @@ CORE = (
     "paged-gqa4-d128-decode-bfloat16-int8_qkv",
     "write_kv_cache-bfloat16-fp8", "write_kv_cache-float16-int8_qk",
     "int8-per-token-head", "int8-per-channel", "merge-bfloat16", "index-workspace",
-    "head_matmul-absorb-T1", "head_matmul-project-T64", "absorb_convert-T1", "merge_project-T1",
+    "head_matmul-absorb-T1", "head_matmul-project-T64", "absorb_convert-T1",
     "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row", "decode_topk-split",
 )
 EXTRA = (

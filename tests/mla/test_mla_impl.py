@@ -433,7 +433,7 @@ def test_layers_of_a_decode_step(kv, fp8_path, H, topk):
     # (a decode-only step runs every token through the decode kernel, on every path)
     records = [r for k, r in plan.scratch.items() if isinstance(k, tuple) and k[0] == "decode layer"]
     assert len(records) == 2
-    # the split cases reach the fused merge + projection (the record keeps the partials)
+    # the split cases run the decode in splits and its merge (the record keeps the partials)
     assert all((rec[2][1] is not None) == (topk == SPLIT_TOPK) for rec in records)
     # a later layer's bad inputs still raise the named errors
     step.ref_idx = all_ref
