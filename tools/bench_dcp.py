@@ -22,6 +22,9 @@ Timed on every rank, median of --iters eager calls with a barrier before each (m
            cache;
 `gather`, `merge`: the collectives of that step alone (ContextParallel.gather_heads / merge on
            the step's tensors); `share` = (gather + merge) / dcp.
+On GPUs the same four are also timed as CUDA-graph replays (`graph_*`: each rank captures its
+calls, collectives included, and replays them back to back), the kernels and the collectives
+without the host's launch work, as an engine that captures its decode step runs them.
 The DCP output is checked against `one` first (max_err: absolute, relative where the value
 exceeds 1; bf16 tolerance 2e-2; on a CPU
 only reported: the interpreter's bf16 defects, tools/bench.py, make it moot there unless
@@ -75,6 +78,37 @@ def _timer(fn, iters: int, device) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _graph_timer(fn, iters: int) -> float:
+    """Mean ms of a CUDA-graph replay of `fn` over `iters` back-to-back replays (every rank
+    replays its own graph of the same collectives, which keep the ranks in step): the kernels
+    and the collectives without the host's launch work."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def _graph_timer_or_nan(fn, iters: int, rank: int) -> float:
+    """_graph_timer, or NaN (and the reason on stderr) where `fn` cannot be captured."""
+    try:
+        return _graph_timer(fn, iters)
+    except RuntimeError as e:
+        print(f"bench_dcp rank {rank}: not captured: {str(e).splitlines()[0]}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return float("nan")
 
 
 def _local_copy(full: torch.Tensor, cp: ContextParallel, seq_lens, table, total: int) -> torch.Tensor:
@@ -169,8 +203,16 @@ def _measure(p, cp, device, run1, run, gather, merge, out1, out) -> dict:
                          device=device if GPU else "cpu")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     one, dcp, ga, me = worst.tolist()
-    return {"one_ms": one, "dcp_ms": dcp, "gather_ms": ga, "merge_ms": me,
-            "share": (ga + me) / dcp, "speedup": one / dcp, "max_err": err}
+    res = {"one_ms": one, "dcp_ms": dcp, "gather_ms": ga, "merge_ms": me,
+           "share": (ga + me) / dcp, "speedup": one / dcp, "max_err": err}
+    if GPU:  # the same four, each captured in a CUDA graph and replayed (no host time)
+        g = torch.tensor([_graph_timer_or_nan(fn, 10 * p["iters"], cp.rank)
+                          for fn in (run1, run, gather, merge)], dtype=torch.float64, device=device)
+        dist.all_reduce(g, op=dist.ReduceOp.MAX)
+        one, dcp, ga, me = g.tolist()
+        res.update(graph_one_ms=one, graph_dcp_ms=dcp, graph_gather_ms=ga, graph_merge_ms=me,
+                   graph_share=(ga + me) / dcp, graph_speedup=one / dcp)
+    return res
 
 
 def _rank_main(rank: int, world: int, args, port) -> None:
