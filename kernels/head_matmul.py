@@ -24,7 +24,7 @@ import triton.language as tl
 
 from openmla.kernels.device import num_sms
 from openmla.kernels.index import convert_row
-from openmla.kernels.launch import FastLaunch, cdiv, next_pow2
+from openmla.kernels.launch import BoundLaunch, FastLaunch, cdiv, next_pow2
 from openmla.quant.validate import CheckedCalls, check_same_device, check_tensor, fail, tensor_signature
 
 __all__ = ["head_matmul"]
@@ -131,15 +131,22 @@ def _get_plan(x, w, tail):
     return key, plan
 
 
-def _launch(x, w, tail, out):
+def _head_matmul_args(x, w, tail, out):
+    """(grid, args, constexprs, FastLaunch key or None where a pointer is not 16-byte aligned)."""
     key, (grid, consts) = _get_plan(x, w, tail)
     _, T, _, K, N, R = key
     t = tail if tail is not None else x
     sx, st, so = x.stride(), t.stride(), out.stride()
     args = (x, w, t, out, T, K, N, R, sx[0], sx[1], w.stride(0), w.stride(1), st[0], st[1], so[0], so[1])
-    if (x.data_ptr() | w.data_ptr() | t.data_ptr() | out.data_ptr()) & 15 == 0:
-        # the sizes, the strides and the (checked) dtypes fix every specialization
-        _KERNEL.keyed((key, x.dtype, out.dtype, *args[8:]), grid, *args, **consts)
+    # the sizes, the strides and the (checked) dtypes fix every specialization
+    aligned = (x.data_ptr() | w.data_ptr() | t.data_ptr() | out.data_ptr()) & 15 == 0
+    return grid, args, consts, (key, x.dtype, out.dtype, *args[8:]) if aligned else None
+
+
+def _launch(x, w, tail, out):
+    grid, args, consts, lkey = _head_matmul_args(x, w, tail, out)
+    if lkey is not None:
+        _KERNEL.keyed(lkey, grid, *args, **consts)
     else:
         _KERNEL(grid, *args, **consts)
 
@@ -162,6 +169,17 @@ def launch_absorb_convert(x, w, tail, out, req_id, block_table, token_indices, b
     for bit (the same tile code and block sizes; the same conversion), for a caller whose tensors
     passed both ops' checks before (mla.sparse.impl: the layers of a decode step after its first).
     req_id contiguous, T >= 1 tokens."""
+    grid, args, consts, lkey = _absorb_convert_args(x, w, tail, out, req_id, block_table,
+                                                    token_indices, block_size, seq_lens, slots)
+    if lkey is not None:
+        _PROLOGUE.keyed(lkey, grid, *args, **consts)
+    else:
+        _PROLOGUE(grid, *args, **consts)
+
+
+def _absorb_convert_args(x, w, tail, out, req_id, block_table, token_indices, block_size, seq_lens,
+                         slots):
+    """(grid, args, constexprs, FastLaunch key or None where a pointer is not 16-byte aligned)."""
     key, ((t_blocks, n_blocks, H), consts) = _get_plan(x, w, tail)
     _, T, _, K, N, R = key
     mm = t_blocks * n_blocks * H
@@ -172,15 +190,56 @@ def launch_absorb_convert(x, w, tail, out, req_id, block_table, token_indices, b
             KI, block_table.shape[1], block_table.shape[0], block_size, block_table.stride(0),
             token_indices.stride(0), slots.stride(0))
     block_ki = min(1024, next_pow2(max(KI, 16)))
-    grid = (mm + token_indices.shape[0],)
-    if (x.data_ptr() | w.data_ptr() | tail.data_ptr() | out.data_ptr() | req_id.data_ptr()
-            | block_table.data_ptr() | token_indices.data_ptr() | slots.data_ptr()
-            | seq_lens.data_ptr()) & 15 == 0:
-        # the sizes, the strides and the (checked) dtypes fix every specialization
-        _PROLOGUE.keyed((key, x.dtype, out.dtype, *args[8:19], *args[24:]), grid, *args,
-                        BLOCK_KI=block_ki, **consts)
-    else:
-        _PROLOGUE(grid, *args, BLOCK_KI=block_ki, **consts)
+    aligned = (x.data_ptr() | w.data_ptr() | tail.data_ptr() | out.data_ptr() | req_id.data_ptr()
+               | block_table.data_ptr() | token_indices.data_ptr() | slots.data_ptr()
+               | seq_lens.data_ptr()) & 15 == 0
+    # the sizes, the strides and the (checked) dtypes fix every specialization
+    lkey = (key, x.dtype, out.dtype, *args[8:19], *args[24:]) if aligned else None
+    return (mm + token_indices.shape[0],), args, dict(consts, BLOCK_KI=block_ki), lkey
+
+
+def bind_absorb_convert(out, req_id, block_table, slots, seq_lens, block_size):
+    """launch_absorb_convert with `out` and the step's index tensors fixed (mla.sparse.impl: a
+    decode step's query buffer, request ids, block table, slots and lengths): returns
+    `run(x, w, tail, token_indices)`. It rebuilds the argument list only when the four tensors'
+    shapes or strides differ from the last call's, and launches through a BoundLaunch; a
+    misaligned pointer takes launch_absorb_convert's path."""
+    last = [None, None, None]  # shapes and strides, the BoundLaunch, the ints around the tensors
+
+    def run(x, w, tail, token_indices):
+        sig = (x.shape, x.stride(), w.shape, w.stride(), tail.shape, tail.stride(),
+               token_indices.shape, token_indices.stride())
+        if sig != last[0] or (x.data_ptr() | w.data_ptr() | tail.data_ptr()
+                              | token_indices.data_ptr()) & 15:
+            grid, args, consts, lkey = _absorb_convert_args(x, w, tail, out, req_id, block_table,
+                                                            token_indices, block_size, seq_lens, slots)
+            if lkey is None:  # (not remembered: the next call builds its arguments again)
+                last[0] = None
+                _PROLOGUE(grid, *args, **consts)
+                return
+            last[:] = sig, BoundLaunch(_PROLOGUE, lkey, grid, **consts), (args[4:19], args[24:])
+        _, go, (mid, end) = last
+        go(x, w, tail, out, *mid, req_id, block_table, token_indices, slots, seq_lens, *end)
+    return run
+
+
+def bind_head_matmul(x):
+    """launch_head_matmul(x, w, None, out) with x fixed (mla.sparse.impl: a decode step's latent
+    output buffer): returns `run(w, out)`, built as bind_absorb_convert's."""
+    last = [None, None, None]
+
+    def run(w, out):
+        sig = (w.shape, w.stride(), out.shape, out.stride())
+        if sig != last[0] or (w.data_ptr() | out.data_ptr()) & 15:
+            grid, args, consts, lkey = _head_matmul_args(x, w, None, out)
+            if lkey is None:
+                last[0] = None
+                _KERNEL(grid, *args, **consts)
+                return
+            last[:] = sig, BoundLaunch(_KERNEL, lkey, grid, **consts), args[4:]
+        _, go, ints = last
+        go(x, w, x, out, *ints)
+    return run
 
 
 # call signatures that passed head_matmul's checks

@@ -26,7 +26,7 @@ try:
 except ImportError:  # a Triton without the interpreter
     InterpretedFunction = None
 
-__all__ = ["FastLaunch", "cdiv", "next_pow2"]
+__all__ = ["BoundLaunch", "FastLaunch", "cdiv", "next_pow2"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -165,3 +165,32 @@ def _launcher(compiled) -> tuple:
         return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None,
                             None, compiled.packed_metadata, None, None, None)
     return run, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+class BoundLaunch:
+    """`BoundLaunch(fast, key, grid, **kwargs)(*args)` is `fast.keyed(key, grid, *args, **kwargs)`
+    for a caller that launches one kernel with one grid, constexprs and key over and over (a
+    decode step's layers): after the first launch has compiled and cached the kernel, later calls
+    go straight to the compiled launcher, skipping even the cache lookup. The caller's promise is
+    `keyed`'s: equal keys, equal specializations (its key fixes every int argument, every
+    tensor's dtype and 16-byte alignment). Calls on another device than the first, or while a
+    launch hook is installed, take `keyed`'s path."""
+
+    def __init__(self, fast: FastLaunch, key, grid, **kwargs):
+        self._fast, self._key, self._grid, self._kwargs = fast, key, tuple(grid), kwargs
+        g = self._grid + (1,) * (3 - len(self._grid))
+        self._g0, self._g1, self._g2 = g
+        self._entry = None  # (call, head, fill, device) once the kernel is compiled and cached
+
+    def __call__(self, *args):
+        e = self._entry
+        if e is None or _hooked() or _current_device() != e[3]:
+            self._fast.keyed(self._key, self._grid, *args, **self._kwargs)
+            if e is None and not self._fast._interpreted:
+                device = _current_device()
+                hit = self._fast._cache.get((device, self._key))
+                if hit is not None:
+                    self._entry = (*hit, device)
+            return
+        call, head, fill, device = e
+        call(self._g0, self._g1, self._g2, _raw_stream(device), *head, *args, *fill)

@@ -32,7 +32,7 @@ from openmla.kernels.sparse_mla_decode.model1_kernel import sparse_mla_decode_mo
 from openmla.kernels.sparse_mla_decode.triton_kernel import (sparse_mla_decode_kernel,
                                                              sparse_mla_decode_merge_kernel)
 from openmla.kernels.device import arch_of, num_sms
-from openmla.kernels.launch import FastLaunch
+from openmla.kernels.launch import BoundLaunch, FastLaunch
 from openmla.kernels.merge import parts_tile
 from openmla.quant.validate import (CheckedCalls, check_out, check_same_device, check_scale,
                                     check_tensor, fail, tensor_signature)
@@ -238,20 +238,22 @@ def bind_layer(plan, q, indices, out, scratch, fmt):
     mid = (indices, lse, lse, out, lse, po, plse, *ints, sq[0], sq[1], *cache_strides, si, so[0], so[1])
     fixed_aligned = (q.data_ptr() | indices.data_ptr() | out.data_ptr() | lse.data_ptr()) & 15 == 0
     lkey = (pid, sq[0], sq[1], si, so[0], so[1])
+    decode = BoundLaunch(kernel, lkey, grid, **consts)
     if num_splits > 1:
         mgrid, mconsts = merge or _merge_plan(T, H, num_splits, False, fmt, num_sms(q.device))
         margs = (po, plse, lse, out, lse, H, num_splits, so[0], so[1])
+        merged = BoundLaunch(_MERGE, lkey, mgrid, **mconsts)
 
     def run(cache, scale):
         args = (q, cache, *mid, float(scale) * LOG2E)
         aligned = fixed_aligned and cache.data_ptr() & 15 == 0
         if aligned:
-            kernel.keyed(lkey, grid, *args, **consts)
+            decode(*args)
         else:
             kernel(grid, *args, **consts)
         if num_splits > 1:
             if aligned:
-                _MERGE.keyed(lkey, mgrid, *margs, **mconsts)
+                merged(*margs)
             else:
                 _MERGE(mgrid, *margs, **mconsts)
         return lse

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from openmla.kernels.index import convert_checked, convert_req_index_to_global
-from openmla.kernels.head_matmul import head_matmul, launch_absorb_convert, launch_head_matmul
+from openmla.kernels.head_matmul import bind_absorb_convert, bind_head_matmul, head_matmul
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
 from openmla.kernels.sparse_mla_decode.op import bind_layer, layer_plan, run_plan
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
@@ -202,21 +202,23 @@ class SparseMLAImpl:
                 and q_pe.stride(2) == 1 and (out is None or out.stride(2) == 1)):
             layer = self._decode_layer(cache, topk_indices, plan)
             if layer is not None:  # a decode-only step after its first layer (_decode_layer)
-                launch, idx, scratch, bound = layer
-                if bound is None:  # the step's query and latent output, and the decode bound to them
+                bound = layer[3]
+                if bound is None:  # the launches bound to the step's buffers (kept with the record)
                     q = plan.buffer("q", (T, H, D_QK), bf16)
                     o_lat = plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16)
-                    bound = layer[3] = (q, o_lat, bind_layer(launch, q, idx, o_lat, scratch,
-                                                             self.cache_format))
-                q, o_lat, decode = bound
-                # the absorption (rope tail included) and the index conversion in one launch
-                launch_absorb_convert(q_nope, self.W_UK, q_pe, q, plan.req_id_per_token,
-                                      plan.block_table, topk_indices, plan.block_size,
-                                      plan.seq_lens, idx)
+                    bound = layer[3] = (
+                        bind_absorb_convert(q, plan.req_id_per_token, plan.block_table, layer[1],
+                                            plan.seq_lens, plan.block_size),
+                        bind_layer(layer[0], q, layer[1], o_lat, layer[2], self.cache_format),
+                        bind_head_matmul(o_lat))
+                absorb, decode, project = bound
+                # the absorption (rope tail included) and the index conversion in one launch, the
+                # decode (and its merge), the output projection
+                absorb(q_nope, self.W_UK, q_pe, topk_indices)
                 decode(cache, self.scale)
                 if out is None:
                     out = torch.empty(T, H, v, dtype=bf16, device=dev)
-                launch_head_matmul(o_lat, self.W_UV, None, out)
+                project(self.W_UV, out)
                 return out
         # (head_matmul reads rows with a contiguous last dim; any other layout is copied once)
         if q_nope.stride(2) != 1:
@@ -342,8 +344,9 @@ class SparseMLAImpl:
     def _remember_decode_layer(self, q, cache, idx, plan: SparseMLAPlan) -> None:
         """After the checked ops ran on q, cache and the slots idx (a plan.buffer): keep the
         decode op's launch plan and the step buffers it writes. The record's last item is filled
-        by forward's fast path: the step's q and latent output buffers and the decode bound to
-        them (op.bind_layer)."""
+        by forward's fast path: its three launches bound to the step's buffers (the absorption
+        with the index conversion, the decode, the projection: head_matmul.bind_absorb_convert,
+        op.bind_layer, head_matmul.bind_head_matmul)."""
         launch, lse_shape, parts = layer_plan(q, cache, idx, self.cache_format)
         scratch = (plan.buffer("lse", lse_shape, torch.float32),
                    None if parts is None else plan.buffer("partial out", parts[0], torch.float32),

@@ -92,3 +92,39 @@ def test_head_matmul_empty_and_checks(monkeypatch):
     assert len(calls) == 1
     with pytest.raises(ValueError, match="w.shape"):  # same x, bad w: checked again
         head_matmul(x, w[:1])
+
+
+def test_bound_launches_follow_layout_changes():
+    """bind_absorb_convert / bind_head_matmul (mla.sparse.impl's later layers) give what the ops
+    give, also when the tensors passed change strides between calls (the argument list is rebuilt)
+    and back again)."""
+    from openmla.kernels.head_matmul import bind_absorb_convert, bind_head_matmul
+    from openmla.kernels.index import convert_req_index_to_global
+    g = torch.Generator().manual_seed(11)
+    T, H, K, N, R, KI, bs = 3, 2, 40, 72, 8, 20, 16
+    w = (torch.randn(H, K, N, generator=g) * 0.2).bfloat16().to(DEVICE)
+    layouts = [(padded(T, H, K, g), padded(T, H, R, g)),
+               (torch.randn(T, H, K, generator=g).bfloat16().to(DEVICE),
+                torch.randn(T, H, R, generator=g).bfloat16().to(DEVICE))]
+    layouts.append(layouts[0])
+    req_id = torch.tensor([1, 0, 5], dtype=torch.int32, device=DEVICE)  # 5: no such request
+    block_table = torch.tensor([[3, 0, -1, 2], [1, 4, 6, 5]], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([40, 55], dtype=torch.int32, device=DEVICE)
+    tok = torch.randint(-3, 70, (T, KI), generator=g, dtype=torch.int32).to(DEVICE)
+    out = torch.empty(T, H, N + R, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.empty(T, KI, dtype=torch.int32, device=DEVICE)
+    run = bind_absorb_convert(out, req_id, block_table, slots, seq_lens, bs)
+    want_slots = convert_req_index_to_global(req_id, block_table, tok, bs, seq_lens=seq_lens)
+    for x, tail in layouts:
+        out.fill_(float("nan"))
+        slots.fill_(7)
+        run(x, w, tail, tok)
+        assert torch.equal(out, head_matmul(x, w, tail=tail))
+        assert torch.equal(slots, want_slots)
+    lat = padded(T, H, N, g)
+    w2 = (torch.randn(H, N, K, generator=g) * 0.2).bfloat16().to(DEVICE)
+    project = bind_head_matmul(lat)
+    wide = nan_filled((T, H + 1, K + 8), torch.bfloat16).to(DEVICE)[:, :H, :K]
+    for dst in (torch.empty(T, H, K, dtype=torch.bfloat16, device=DEVICE), wide):
+        project(w2, dst)
+        assert torch.equal(dst, head_matmul(lat, w2))

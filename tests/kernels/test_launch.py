@@ -85,3 +85,58 @@ def test_host_arithmetic_equals_tritons():
     for a in list(range(0, 700)) + [2 ** 31 - 1, 2 ** 40 + 3]:
         for b in (1, 2, 3, 16, 64, 127, 1024):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_bound_launch_goes_to_the_cached_launcher(monkeypatch):
+    """BoundLaunch: the first call goes through FastLaunch.keyed; once keyed has cached the
+    compiled launcher under (device, key), calls go to it directly with the grid padded to three
+    dims, the stream of the entry's device, and the launcher's head and fill around the args;
+    another current device or an installed launch hook takes keyed's path again."""
+    import openmla.kernels.launch as L
+    calls, keyed = [], []
+
+    class Fake:
+        _interpreted = False
+        _cache = {}
+
+        def keyed(self, key, grid, *args, **kwargs):
+            keyed.append((key, grid, args, kwargs))
+            self._cache[(L._current_device(), key)] = (lambda *a: calls.append(a), ("h",), ("f",))
+
+    device = [3]
+    hooked = [False]
+    monkeypatch.setattr(L, "_current_device", lambda: device[0])
+    monkeypatch.setattr(L, "_raw_stream", lambda d: 100 + d)
+    monkeypatch.setattr(L, "_hooked", lambda: hooked[0])
+    go = L.BoundLaunch(Fake(), "k", (5, 2), BLOCK=16)
+    go(1, 2)
+    assert keyed == [("k", (5, 2), (1, 2), {"BLOCK": 16})] and calls == []
+    go(7, 8)
+    assert calls == [(5, 2, 1, 103, "h", 7, 8, "f")] and len(keyed) == 1
+    device[0] = 4  # another device: keyed's path (which keys on the device)
+    go(9, 9)
+    assert len(keyed) == 2 and len(calls) == 1
+    device[0] = 3
+    hooked[0] = True  # a profiler's hook: Triton's path, through keyed
+    go(6, 6)
+    assert len(keyed) == 3 and len(calls) == 1
+    hooked[0] = False
+    go(5, 5)
+    assert calls[-1] == (5, 2, 1, 103, "h", 5, 5, "f")
+
+
+def test_bound_launch_of_an_interpreted_kernel_always_takes_keyed(monkeypatch):
+    import openmla.kernels.launch as L
+    keyed = []
+
+    class Fake:
+        _interpreted = True
+        _cache = {}
+
+        def keyed(self, key, grid, *args, **kwargs):
+            keyed.append(args)
+
+    go = L.BoundLaunch(Fake(), "k", (1,))
+    go(1)
+    go(2)
+    assert keyed == [(1,), (2,)]
