@@ -499,10 +499,15 @@ def test_varlen_fault():
     assert_close("lse", lse, want_lse, "fp32")
 
 
+@pytest.mark.parametrize("splits", [None, 1, 2, 5], ids=["splits-auto", "splits-1", "splits-2", "splits-5"])
 @pytest.mark.parametrize("where", ["prefix", "suffix"])
-def test_cascade_fault(where):
+def test_cascade_fault(where, splits, monkeypatch):
     """Cascade attention over a 32-key shared prefix: a bad value in the prefix turns every
-    request's rows NaN, one in request 1's suffix its rows only; the merge keeps them NaN."""
+    request's rows NaN, one in request 1's suffix its rows only; the merge keeps them NaN, with
+    the prefix pass in 1, 2 or 5 splits (or the op's choice)."""
+    if splits is not None:
+        import openmla.kernels.cascade as cascade_mod
+        monkeypatch.setattr(cascade_mod, "_prefix_num_splits", lambda *a, **k: splits)
     seqs = [(1, 40), (3, 50), (4, 40)]  # contexts 39, 47, 36: all past the prefix
     b = _mha_batch("bf16", seed=6, seqs=seqs, shared_blocks=2)
     if where == "prefix":
@@ -520,15 +525,18 @@ def test_cascade_fault(where):
     assert_close("lse", lse, want_lse, "fp32")
 
 
-def test_local_attention_fault():
+@pytest.mark.parametrize("splits", [None, 1, 2, 5], ids=["splits-auto", "splits-1", "splits-2", "splits-5"])
+def test_local_attention_fault(splits):
     """Chunked local attention (chunk 16) over the prefill's virtual batches: a bad key in chunk 0
-    is seen by no query (all sit in chunk 1); one in chunk 1 by every query."""
+    is seen by no query (all sit in chunk 1); one in chunk 1 by every query; with the keys in 1,
+    2 or 5 splits (or the op's choice)."""
     b = _mha_batch("bf16", seed=7, seqs=[(6, 30)])
     _poison_kv(b, "k", 0, 3, NAN)
     _poison_kv(b, "v", 0, 18, -INF)
     lb = make_local_attention_virtual_batches(16, [0, 6], [30], b["block_table"], BS)
     vb = {**b, "cu_seqlens_q": lb.cu_seqlens_q, "seq_lens": lb.seq_lens, "block_table": lb.block_table}
-    out, lse = paged_attention(**vb, scale=MHA_SCALE, return_lse=True, max_query_len=lb.max_query_len)
+    out, lse = paged_attention(**vb, scale=MHA_SCALE, return_lse=True, max_query_len=lb.max_query_len,
+                               num_splits=splits)
     want, want_lse = local_attention_ref(**b, attn_chunk_size=16, scale=MHA_SCALE)
     nan_rows = torch.zeros(8, H, dtype=torch.bool)
     nan_rows[:6, :2] = True
