@@ -13,6 +13,13 @@ column block copy it), so the query the sparse kernels read is one tensor withou
 Arithmetic: bf16 products summed in fp32 (tl.dot), rounded once to out's dtype, as torch.bmm on
 bf16 does; the summation order differs from cuBLAS's, so results agree to rounding, not bit for
 bit. Any K and N (masked tails; the tensor-core tiles are at least 16 wide).
+
+For the later layers of a decode step (mla.sparse.impl, unchecked: their tensors passed the ops'
+checks in the step's first layer) the module also has `absorb_convert_kernel`, the absorption and
+kernels.index's conversion of the step's top-k positions in one launch (the same tiles and the
+same conversion, so the same bits as the two ops), and binders (`bind_absorb_convert`,
+`bind_head_matmul`) that keep a launch's argument list between layers and launch through
+kernels.launch.BoundLaunch.
 """
 from __future__ import annotations
 
