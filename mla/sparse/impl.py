@@ -198,8 +198,14 @@ class SparseMLAImpl:
                 check_tensor("out", out, dtype=bf16, shape=(T, H, v))
             check_same_device(q_nope=q_nope, q_pe=q_pe, W_UK=self.W_UK, out=out,
                               **{"plan tensors": plan.req_id_per_token})
+        W_UK, W_UV = self.W_UK, self.W_UV
         if (self.dcp is None and plan.num_decode_tokens == T and q_nope.stride(2) == 1
-                and q_pe.stride(2) == 1 and (out is None or out.stride(2) == 1)):
+                and q_pe.stride(2) == 1 and (out is None or out.stride(2) == 1)
+                and W_UK.dtype == bf16 and W_UV.dtype == bf16 and W_UK.stride(2) == 1
+                and W_UV.stride(2) == 1 and W_UV.device == dev
+                and W_UK.shape == (H, n, KV_LORA_RANK) and W_UV.shape == (H, KV_LORA_RANK, v)):
+            # (the unchecked launches need what head_matmul's checks ask of the weights too: a
+            # layer whose weights were replaced by other tensors takes the checked path below)
             layer = self._decode_layer(cache, topk_indices, plan)
             if layer is not None:  # a decode-only step after its first layer (_decode_layer)
                 bound = layer[3]
@@ -214,11 +220,11 @@ class SparseMLAImpl:
                 absorb, decode, project = bound
                 # the absorption (rope tail included) and the index conversion in one launch, the
                 # decode (and its merge), the output projection
-                absorb(q_nope, self.W_UK, q_pe, topk_indices)
+                absorb(q_nope, W_UK, q_pe, topk_indices)
                 decode(cache, self.scale)
                 if out is None:
                     out = torch.empty(T, H, v, dtype=bf16, device=dev)
-                project(self.W_UV, out)
+                project(W_UV, out)
                 return out
         # (head_matmul reads rows with a contiguous last dim; any other layout is copied once)
         if q_nope.stride(2) != 1:

@@ -447,3 +447,7 @@ def test_layers_of_a_decode_step(kv, fp8_path, H, topk):
     with pytest.raises(ValueError, match="out"):
         impl.forward(step.q_nope, step.q_pe, step.cache, step.topk_indices, plan,
                      out=torch.empty(step.T, H, V_DIM + 1, dtype=torch.bfloat16, device=DEVICE))
+    # weights replaced by a view the projections cannot read: the checked path names them
+    impl.W_UK = impl.W_UK.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="w.stride"):
+        impl.forward(step.q_nope, step.q_pe, step.cache, step.topk_indices, plan)
