@@ -158,35 +158,16 @@ def _launch(x, w, tail, out):
         _KERNEL(grid, *args, **consts)
 
 
-def launch_head_matmul(x, w, tail, out) -> None:
-    """head_matmul(x, w, tail=tail, out=out) without its checks, for a caller whose tensors have
-    the dtypes, shapes, devices and contiguous last dims the checks ask for (mla.sparse.impl:
-    the layers of a decode step after its first)."""
-    if x.shape[0] > 0 and x.shape[1] > 0:
-        _launch(x, w, tail, out)
-
-
 _PROLOGUE = FastLaunch(absorb_convert_kernel)
-
-
-def launch_absorb_convert(x, w, tail, out, req_id, block_table, token_indices, block_size, seq_lens,
-                          slots) -> None:
-    """One launch doing what launch_head_matmul(x, w, tail, out) and kernels.index.convert_checked(
-    req_id, block_table, token_indices, block_size, seq_lens, slots) do, with the same results bit
-    for bit (the same tile code and block sizes; the same conversion), for a caller whose tensors
-    passed both ops' checks before (mla.sparse.impl: the layers of a decode step after its first).
-    req_id contiguous, T >= 1 tokens."""
-    grid, args, consts, lkey = _absorb_convert_args(x, w, tail, out, req_id, block_table,
-                                                    token_indices, block_size, seq_lens, slots)
-    if lkey is not None:
-        _PROLOGUE.keyed(lkey, grid, *args, **consts)
-    else:
-        _PROLOGUE(grid, *args, **consts)
 
 
 def _absorb_convert_args(x, w, tail, out, req_id, block_table, token_indices, block_size, seq_lens,
                          slots):
-    """(grid, args, constexprs, FastLaunch key or None where a pointer is not 16-byte aligned)."""
+    """absorb_convert_kernel's (grid, args, constexprs, FastLaunch key or None where a pointer is
+    not 16-byte aligned) for what head_matmul(x, w, tail=tail, out=out) and kernels.index.
+    convert_req_index_to_global(req_id, block_table, token_indices, block_size, seq_lens=seq_lens,
+    out=slots) do, with the same results bit for bit (the same tile code and block sizes; the same
+    conversion). req_id contiguous, T >= 1 tokens."""
     key, ((t_blocks, n_blocks, H), consts) = _get_plan(x, w, tail)
     _, T, _, K, N, R = key
     mm = t_blocks * n_blocks * H
@@ -206,11 +187,12 @@ def _absorb_convert_args(x, w, tail, out, req_id, block_table, token_indices, bl
 
 
 def bind_absorb_convert(out, req_id, block_table, slots, seq_lens, block_size):
-    """launch_absorb_convert with `out` and the step's index tensors fixed (mla.sparse.impl: a
-    decode step's query buffer, request ids, block table, slots and lengths): returns
-    `run(x, w, tail, token_indices)`. It rebuilds the argument list only when the four tensors'
-    shapes or strides differ from the last call's, and launches through a BoundLaunch; a
-    misaligned pointer takes launch_absorb_convert's path."""
+    """absorb_convert_kernel (_absorb_convert_args) with `out` and the step's index tensors fixed,
+    for a caller whose tensors passed head_matmul's and the index conversion's checks before
+    (mla.sparse.impl: a decode step's query buffer, request ids, block table, slots and lengths;
+    the layers after the step's first): returns `run(x, w, tail, token_indices)`. It rebuilds the
+    argument list only when the four tensors' shapes or strides differ from the last call's, and
+    launches through a BoundLaunch; a misaligned pointer takes FastLaunch's own key."""
     last = [None, None, None]  # shapes and strides, the BoundLaunch, the ints around the tensors
 
     def run(x, w, tail, token_indices):
@@ -231,8 +213,8 @@ def bind_absorb_convert(out, req_id, block_table, slots, seq_lens, block_size):
 
 
 def bind_head_matmul(x):
-    """launch_head_matmul(x, w, None, out) with x fixed (mla.sparse.impl: a decode step's latent
-    output buffer): returns `run(w, out)`, built as bind_absorb_convert's."""
+    """head_matmul(x, w, out=out) without its checks and with x fixed (mla.sparse.impl: a decode
+    step's latent output buffer): returns `run(w, out)`, built as bind_absorb_convert's."""
     last = [None, None, None]
 
     def run(w, out):

@@ -229,33 +229,31 @@ def bind_layer(plan, q, indices, out, scratch, fmt):
     caches share the layout `plan` was made for (the plan fixes the cache's strides; the caller
     guarantees them)."""
     kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
-    T, H = q.shape[0], q.shape[1]
+    H = q.shape[1]
     sq, si, so = q.stride(), indices.stride(0), out.stride()
     lse, po, plse = scratch
     if po is None:
         po = plse = lse
+
+    def unbound(cache, scale):
+        return run_plan(plan, q, cache, indices, None, None, out, scale, fmt, scratch=scratch)
+    if (q.data_ptr() | indices.data_ptr() | out.data_ptr() | lse.data_ptr()) & 15:
+        return unbound  # run_plan's own (unkeyed) launches
     # (lse stands in for the absent lengths and sink, as in run_plan)
     mid = (indices, lse, lse, out, lse, po, plse, *ints, sq[0], sq[1], *cache_strides, si, so[0], so[1])
-    fixed_aligned = (q.data_ptr() | indices.data_ptr() | out.data_ptr() | lse.data_ptr()) & 15 == 0
     lkey = (pid, sq[0], sq[1], si, so[0], so[1])
     decode = BoundLaunch(kernel, lkey, grid, **consts)
     if num_splits > 1:
-        mgrid, mconsts = merge or _merge_plan(T, H, num_splits, False, fmt, num_sms(q.device))
+        mgrid, mconsts = merge
         margs = (po, plse, lse, out, lse, H, num_splits, so[0], so[1])
         merged = BoundLaunch(_MERGE, lkey, mgrid, **mconsts)
 
     def run(cache, scale):
-        args = (q, cache, *mid, float(scale) * LOG2E)
-        aligned = fixed_aligned and cache.data_ptr() & 15 == 0
-        if aligned:
-            decode(*args)
-        else:
-            kernel(grid, *args, **consts)
+        if cache.data_ptr() & 15:
+            return unbound(cache, scale)
+        decode(q, cache, *mid, float(scale) * LOG2E)
         if num_splits > 1:
-            if aligned:
-                merged(*margs)
-            else:
-                _MERGE(mgrid, *margs, **mconsts)
+            merged(*margs)
         return lse
     return run
 

@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from openmla.kernels.head_matmul import head_matmul, launch_absorb_convert
+from openmla.kernels.head_matmul import bind_absorb_convert, head_matmul
 from openmla.kernels.index import convert_req_index_to_global
 from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, topk_per_row
 from openmla.kernels.merge import merge_attn_states
@@ -238,10 +238,10 @@ def misc_cases():
     yield "head_matmul-project-T64", lambda: head_matmul(torch.zeros(64, 16, 512, dtype=BF16),
                                                          torch.zeros(16, 512, 128, dtype=BF16))
     # the later layers' prologue of a decode step: the absorption and the index conversion
-    yield "absorb_convert-T1", lambda: launch_absorb_convert(
+    yield "absorb_convert-T1", lambda: bind_absorb_convert(
+        torch.zeros(1, 16, 576, dtype=BF16), _ints(1), _ints(1, 8), _ints(1, 2048), _ints(1), 64)(
         torch.zeros(1, 16, 128, dtype=BF16), torch.zeros(16, 128, 512, dtype=BF16),
-        torch.zeros(1, 16, 64, dtype=BF16), torch.zeros(1, 16, 576, dtype=BF16), _ints(1),
-        _ints(1, 8), _ints(1, 2048), 64, _ints(1), _ints(1, 2048))
+        torch.zeros(1, 16, 64, dtype=BF16), _ints(1, 2048))
 
 
 
