@@ -120,6 +120,15 @@ class FastLaunch:
         key = (device, key)
         self._launch(self._cache.get(key), key, device, grid, args, kwargs)
 
+    def cached(self, key):
+        """(call, head, fill, device) of what `keyed(key, ...)` cached for the current device, or
+        None (nothing cached yet: the interpreter, a launch hook, Triton's path kept)."""
+        if self._interpreted or not self._cache or _hooked():
+            return None
+        device = _current_device()
+        hit = self._cache.get((device, key))
+        return None if hit is None else (*hit, device)
+
     def _launch(self, hit, key, device, grid, args, kwargs):
         if hit is None:
             self._first_launch(key, grid, args, kwargs)
@@ -184,13 +193,10 @@ class BoundLaunch:
 
     def __call__(self, *args):
         e = self._entry
-        if e is None or _hooked() or _current_device() != e[3]:
-            self._fast.keyed(self._key, self._grid, *args, **self._kwargs)
-            if e is None and not self._fast._interpreted:
-                device = _current_device()
-                hit = self._fast._cache.get((device, self._key))
-                if hit is not None:
-                    self._entry = (*hit, device)
+        if e is not None and not _hooked() and _current_device() == e[3]:
+            call, head, fill, device = e
+            call(self._g0, self._g1, self._g2, _raw_stream(device), *head, *args, *fill)
             return
-        call, head, fill, device = e
-        call(self._g0, self._g1, self._g2, _raw_stream(device), *head, *args, *fill)
+        self._fast.keyed(self._key, self._grid, *args, **self._kwargs)
+        if e is None:
+            self._entry = self._fast.cached(self._key)

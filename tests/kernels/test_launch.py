@@ -98,6 +98,7 @@ def test_bound_launch_goes_to_the_cached_launcher(monkeypatch):
     class Fake:
         _interpreted = False
         _cache = {}
+        cached = L.FastLaunch.cached
 
         def keyed(self, key, grid, *args, **kwargs):
             keyed.append((key, grid, args, kwargs))
@@ -132,6 +133,7 @@ def test_bound_launch_of_an_interpreted_kernel_always_takes_keyed(monkeypatch):
     class Fake:
         _interpreted = True
         _cache = {}
+        cached = L.FastLaunch.cached
 
         def keyed(self, key, grid, *args, **kwargs):
             keyed.append(args)
