@@ -298,7 +298,8 @@ class SparseMLAImpl:
                                                 topk_indices, bs, seq_lens=plan.seq_lens, out=idx)
                     _, lse = sparse_mla_decode(q, cache, idx, scale=self.scale, out=out,
                                                fmt=self.cache_format)
-                    self._remember_decode_layer(q, cache, idx, plan)
+                    if T > 0:  # (an empty step launches nothing: no launch plan to keep)
+                        self._remember_decode_layer(q, cache, idx, plan)
                 return (out, lse) if return_lse else out
             else:  # this rank's share of the top-k, in front, bounded by its local lengths
                 local, n_local = plan.dcp.local_topk(topk_indices)

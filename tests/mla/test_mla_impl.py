@@ -451,3 +451,29 @@ def test_layers_of_a_decode_step(kv, fp8_path, H, topk):
     impl.W_UK = impl.W_UK.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(ValueError, match="w.stride"):
         impl.forward(step.q_nope, step.q_pe, step.cache, step.topk_indices, plan)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_ds_mla"])
+def test_empty_decode_step_in_every_layer(kv):
+    """A step of no tokens returns empty outputs in its first and later layers (no launch plan is
+    kept for it, so later layers take the checked path too)."""
+    H = 4
+    g = torch.Generator().manual_seed(2)
+    layers = []
+    for _ in range(2):
+        impl = SparseMLAImpl(H, SCALE, kv, max_model_len=64)
+        w8, s = kv_b_proj_fp8(H, g)
+        impl.load_kv_b_proj(w8.to(DEVICE), s.to(DEVICE))
+        layers.append(impl)
+    fmt = layers[0].cache_format
+    cache, _ = random_paged_cache(4, 16, fmt.row_width, fmt.cache_dtype)
+    none = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    plan = layers[0].build_plan(torch.zeros(1, dtype=torch.int32, device=DEVICE), none,
+                                torch.zeros(0, 4, dtype=torch.int32, device=DEVICE),
+                                torch.zeros(0, dtype=torch.int64, device=DEVICE), block_size=16,
+                                query_lens_cpu=[], seq_lens_cpu=[])
+    for impl in layers:
+        out = impl.forward(torch.zeros(0, H, N_NOPE, dtype=torch.bfloat16, device=DEVICE),
+                           torch.zeros(0, H, ROPE, dtype=torch.bfloat16, device=DEVICE), cache,
+                           torch.zeros(0, 8, dtype=torch.int32, device=DEVICE), plan)
+        assert out.shape == (0, H, V_DIM)
