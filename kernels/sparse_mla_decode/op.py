@@ -8,8 +8,10 @@ warpgroups, row bytes gathered a step ahead), up to 32 heads to kernels/sparse_m
 (keys on the wgmma M, K and V^T register operands built from the bytes, a producer warpgroup
 gathering); the Triton kernel serves everything else. MODEL1 (DeepSeek-V4) caches go to
 kernels/sparse_mla_decode/model1_kernel.py on every GPU, with or without the extra cache (its
-programs walk the main list, then the extra one, in one softmax); an extra cache beside the other
-formats runs the Triton kernel once per list into one set of partials.
+programs walk the main list, then the extra one, in one softmax), and on Hopper with more than
+M1_GLUON_MIN_HEADS heads to its Gluon counterpart kernels/sparse_mla_decode/sm90_model1.py (64-head
+blocks, bf16 K dequantized once a block); an extra cache beside the other formats runs the Triton
+kernel once per list into one set of partials.
 
 When T x head blocks cannot fill the GPU, topk is split across programs and a second kernel
 merges the partial (out, lse) pairs (kernels.merge.merge_step) and applies the sink. The split
@@ -26,6 +28,7 @@ import triton
 
 from openmla.kernels.sparse_mla_decode import sm90 as _sm90
 from openmla.kernels.sparse_mla_decode import sm90_kn as _kn
+from openmla.kernels.sparse_mla_decode import sm90_model1 as _m1
 from openmla.kernels.sparse_mla_decode.config import (_M1_SPACE, _head_blocks, _pick_config, _splits,
                                                       _triton_config)
 from openmla.kernels.sparse_mla_decode.model1_kernel import sparse_mla_decode_model1_kernel
@@ -283,16 +286,24 @@ def _merge(po, plse, attn_sink, out, lse, fmt, key, plan=None, out_strides=None)
 
 
 _M1 = FastLaunch(sparse_mla_decode_model1_kernel)
+_M1_SM90 = FastLaunch(_m1.sparse_mla_decode_sm90_model1_kernel) if _m1._GLUON else None
+M1_GLUON_MIN_HEADS = 32  # MODEL1 on Hopper: more heads than this run the Gluon kernel
 
 
 def _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt, config, num_splits):
-    """(grid, ints, constexprs, splits) of the MODEL1 kernel (kernels/sparse_mla_decode/
-    model1_kernel.py). Its program walks one split of the joined list: the main indices, then from
+    """(launcher, grid, ints, constexprs, splits) of a MODEL1 kernel: the Gluon kernel
+    (sm90_model1.py) on Hopper above M1_GLUON_MIN_HEADS heads, else the Triton kernel
+    (model1_kernel.py); a pinned config (tests, sweeps) always means the Triton kernel. Both take the
+    same arguments; a program walks one split of the joined list: the main indices, then from
     XSTART (topk rounded up to BLOCK_N) the extra ones; the splits are sized over that length as
-    for the fp8_ds_mla kernel (config.py: _M1_SPACE)."""
+    for the fp8_ds_mla kernels (config.py)."""
     T, H, _ = q.shape
     topk = indices.shape[1]
-    cfg = _triton_config(q, H, config, _M1_SPACE)
+    gluon = H > M1_GLUON_MIN_HEADS and not config and _m1.usable(q, cache, extra_cache)
+    if gluon:
+        cfg = dict(BLOCK_H=_m1.BLOCK_H, BLOCK_N=_m1.BLOCK_N, occupancy=_m1.OCCUPANCY, one_round=True)
+    else:
+        cfg = _triton_config(q, H, config, _M1_SPACE)
     block_h, num_hb = _head_blocks(cfg, H)
     block_n = cfg["BLOCK_N"]
     xtopk = extra_indices.shape[1] if extra_cache is not None else 0
@@ -305,11 +316,13 @@ def _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt, config, num
     consts = dict(E4M3=arch_of(q.device).e4m3, HAS_EXTRA=xtopk > 0, SPLIT=num_splits > 1,
                   BLOCK_H=block_h, BLOCK_N=block_n, TILE=fmt.tile_size, NT=fmt.num_tiles,
                   ROPE=fmt.rope_dim, REC=fmt.record_bytes, ROPE_OFF=fmt.rope_offset,
-                  SCALE_BYTES=fmt.scale_stride, num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
+                  SCALE_BYTES=fmt.scale_stride)
+    if gluon:
+        return _M1_SM90, (T * num_hb, num_splits), ints, dict(consts, num_warps=_m1.NUM_WARPS), num_splits
+    consts.update(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         consts["maxnreg"] = cfg["maxnreg"]
-    return (T * num_hb, num_splits), ints, consts, num_splits
+    return _M1, (T * num_hb, num_splits), ints, consts, num_splits
 
 
 def _launch_model1(q, cache, indices, topk_length, attn_sink, out, scale, fmt, extra_cache=None,
@@ -326,10 +339,11 @@ def _launch_model1(q, cache, indices, topk_length, attn_sink, out, scale, fmt, e
     key = ("model1", q.device, T, H, indices.shape[1], fmt, tuple(cache.shape[:2]), stride_cb,
            tuple(extra_cache.shape[:2]) if extra else None, extra_indices.shape[1] if extra else 0,
            stride_xb, tuple(sorted(config.items())) if config else None, num_splits,
-           arch_of(q.device))
+           arch_of(q.device), cache.data_ptr() & 15 == 0,
+           extra_cache.data_ptr() & 15 == 0 if extra else None)
     plan = _PLANS.get(key) or _new_plan(key, _plan_model1, q, cache, indices, extra_cache,
                                         extra_indices, fmt, config, num_splits)
-    grid, ints, consts, num_splits = plan
+    launcher, grid, ints, consts, num_splits = plan
     po, plse = _partials(lse, num_splits, fmt)
     sink = attn_sink if attn_sink is not None else lse
     length = topk_length if topk_length is not None else lse
@@ -349,9 +363,9 @@ def _launch_model1(q, cache, indices, topk_length, attn_sink, out, scale, fmt, e
     if aligned:
         key = (key, topk_length is None, extra_topk_length is None, attn_sink is None, q.stride(0),
                q.stride(1), indices.stride(0), xidx.stride(0), out.stride(0), out.stride(1))
-        _M1.keyed(key, grid, *args, **consts)
+        launcher.keyed(key, grid, *args, **consts)
     else:
-        _M1(grid, *args, **consts)
+        launcher(grid, *args, **consts)
     if num_splits > 1:
         _merge(po, plse, attn_sink, out, lse, fmt, (key, 0) if aligned else None)
     return lse

@@ -14,9 +14,12 @@ import torch
 
 from openmla.kernels.reference import sparse_mla_decode_ref
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
+from openmla.kernels.sparse_mla_decode import op as _op
+from openmla.kernels.sparse_mla_decode import sm90_model1
 from openmla.kernels.sparse_mla_decode.op import _launch_model1
 from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_MODEL1
-from tests.helpers import DEVICE, GPU_ONLY, assert_close, invalid_indices, random_paged_cache
+from tests.helpers import (DEVICE, GPU_ONLY, SM90_ONLY, assert_close, compile_gluon_sm90, invalid_indices,
+                           random_paged_cache)
 
 SCALE = 512 ** -0.55
 NEG_INF = float("-inf")
@@ -131,8 +134,9 @@ def test_shapes(T, H, topk, nb, bs, extra):
     pytest.param([0, -1, 13, 50], [0, 0, 1, 99], id="len+xlen-both-empty-row0-row1"),
 ])
 @pytest.mark.parametrize("sink", [None, "finite", "inf"])
-def test_lengths_and_sinks(main_len, extra_len, sink):
-    T, H = 4, 16
+@pytest.mark.parametrize("H", [16, pytest.param(64, marks=GPU_ONLY)])  # 64: the Gluon kernel on Hopper
+def test_lengths_and_sinks(main_len, extra_len, sink, H):
+    T = 4
     q, cache, idx, kw = make_case(T, H, 50, 3, 64, (40, 20, 2), seed=3, q_mul=2.0)
     g = torch.Generator().manual_seed(4)
     if main_len is not None:
@@ -195,6 +199,60 @@ def test_forced_splits(num_splits):
     want, want_lse = sparse_mla_decode_ref(q, cache, idx, scale=SCALE, attn_sink=sink, **kw)
     assert_close("out", out, want, "sparse_decode_model1")
     assert_close("lse", lse, want_lse, "lse")
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("H", [64, 128])
+def test_forced_splits_64_head_blocks(num_splits, H):
+    """The 64-key blocks of the Gluon kernel (Hopper; the Triton kernel's 32-head blocks
+    elsewhere): splits that straddle the two lists (XSTART = 192), splits the lengths leave empty,
+    lengths cutting a block, a sink, in the merge and in the one-split epilogue."""
+    T = 3
+    q, cache, idx, kw = make_case(T, H, 150, 40, 64, (200, 300, 2), seed=num_splits + H, q_mul=2.0)
+    kw.update(topk_length=lengths([150, 9, 0]), extra_topk_length=lengths([131, 200, 70]))
+    sink = torch.randn(H).to(DEVICE)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=DEVICE)
+    lse = _launch_model1(q, cache, idx, kw["topk_length"], sink, out, SCALE, FP8_MODEL1,
+                         kw["extra_cache"], kw["extra_indices"], kw["extra_topk_length"],
+                         num_splits=num_splits)
+    want, want_lse = sparse_mla_decode_ref(q, cache, idx, scale=SCALE, attn_sink=sink, **kw)
+    assert_close("out", out, want, "sparse_decode_model1")
+    assert_close("lse", lse, want_lse, "lse")
+
+
+@SM90_ONLY
+@pytest.mark.parametrize("H,gluon", [(32, False), (33, True), (64, True), (128, True)])
+def test_hopper_dispatch(H, gluon):
+    """On Hopper, MODEL1 with more than M1_GLUON_MIN_HEADS heads runs the Gluon kernel (so the GPU
+    tests at 48 / 64 / 128 heads test it), fewer the Triton kernel; a pinned config or a cache
+    whose block stride is not a multiple of 16 bytes the Triton kernel."""
+    q, cache, idx, kw = make_case(2, H, 64, 4, 64, (32, 20, 2), seed=H)
+    plan = _op._plan_model1(q, cache, idx, kw["extra_cache"], kw["extra_indices"], FP8_MODEL1, None, None)
+    assert (plan[0] is _op._M1_SM90) == gluon
+    pinned = _op._plan_model1(q, cache, idx, None, None, FP8_MODEL1, dict(BLOCK_N=32), None)
+    assert pinned[0] is _op._M1
+    odd = FP8_MODEL1.empty_cache(4, 64, block_stride=FP8_MODEL1.padded_block_bytes(64) + 2, device=DEVICE)
+    assert not sm90_model1.usable(q, odd) and sm90_model1.usable(q, cache) == (_op._M1_SM90 is not None)
+
+
+@pytest.mark.skipif(not sm90_model1._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+@pytest.mark.parametrize("extra", [False, True])
+def test_sm90_model1_kernel_compiles(extra):
+    """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
+    that breaks it, outgrows shared memory (227 KB; it uses 201 KB) or spills fails on the CPU
+    too (the three warpgroups fit their register split without a stack: score 224 / value 160 /
+    producer 128)."""
+    got = compile_gluon_sm90(
+        "openmla.kernels.sparse_mla_decode.sm90_model1", "sparse_mla_decode_sm90_model1_kernel",
+        dict(E4M3=True, HAS_LEN=True, HAS_EXTRA=extra, HAS_XLEN=extra, HAS_SINK=True, SPLIT=True,
+             BLOCK_H=sm90_model1.BLOCK_H, BLOCK_N=sm90_model1.BLOCK_N, TILE=64, NT=7, ROPE=64, REC=576,
+             ROPE_OFF=448, SCALE_BYTES=8),
+        ["*bf16", "*u8", "*i32", "*i32", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"],
+        sm90_model1.NUM_WARPS)
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] == 0, got
+    # wgmma; 16-byte gathers into registers (the bytes are converted before they reach shared memory)
+    assert got["hgmma"] > 0 and got["ldg128"] > 0 and got["ldgsts"] == 0, got
 
 
 def flashmla_case(b, s_q, H, lists, *, seed, zero_seqlen=False):
@@ -272,8 +330,9 @@ def test_flashmla_generator(b, s_q, H, lists, zero_seqlen):
 @pytest.mark.parametrize("where", ["nope", "rope", "scale"])
 @pytest.mark.parametrize("which", ["main", "extra"])
 @pytest.mark.parametrize("num_splits", [None, 3])
-def test_faults(where, which, num_splits):
-    T, H = 3, 8
+@pytest.mark.parametrize("H", [8, pytest.param(64, marks=GPU_ONLY)])  # 64: the Gluon kernel on Hopper
+def test_faults(where, which, num_splits, H):
+    T = 3
     q, cache, idx, kw = make_case(T, H, 32, 3, 16, (24, 12, 2), seed=21)
     c, i, bs = (cache, idx, 16) if which == "main" else (kw["extra_cache"], kw["extra_indices"], 2)
     slots = c.shape[0] * bs

@@ -1,0 +1,331 @@
+"""Hopper (sm_90) kernel of sparse_mla_decode over MODEL1 (DeepSeek-V4) caches, 64-head blocks, in
+Gluon.
+
+Same arguments and outputs as `sparse_mla_decode_model1_kernel` (kernels/sparse_mla_decode/
+model1_kernel.py: one token, a head block and one split of the joined index list per program, the
+main list then from XSTART the extra cache's; partial (out, lse) merged by the same merge kernel;
+the sink applied once). The partition is the fp8_ds_mla Gluon kernel's (sm90.py): a producer
+warpgroup gathers and converts a block of 64 keys into a shared stage, a score warpgroup computes
+the scores, the softmax and O[:, 0:256], a value warpgroup O[:, 256:512].
+
+Arithmetic: a MODEL1 tile scale is a power of two (ue8m0), so each key is dequantized once, in the
+producer, to bf16 K = float(e4m3) * 2^(b - 127), exact (e4m3 has 4 significant bits; bf16 has
+fp32's exponent range: only a product under 2^-133 would round, which the format's scale rule,
+s >= 2^-13, never writes), and the rope is bf16 already. The scores are one bf16 wgmma chain
+q . K over all 512 dims (q is bf16 as given: no per-head rescaling), accumulated in fp32; P is
+rounded to bf16 once and feeds P.V over the same K stage (V is the whole dequantized token). This
+is FlashMLA's arithmetic for MODEL1; the portable kernel keeps exact fp16 per-tile products instead
+(its P_t carries 11 significant bits, this P 8), measured against each other in docs/benchmarks.md.
+A NaN byte (e4m3 0x7f / 0xff) or a NaN scale byte (255) gives a NaN K element, a NaN score, and a
+NaN row, as in every kernel (kernels/softmax.py).
+
+Stages: q [64, 512] bf16 64 KB + two K stages [64, 512] bf16 128 KB + P [64, 64] bf16 8 KB = 200 KB:
+one program per SM, 12 warps.
+"""
+from __future__ import annotations
+
+import torch
+
+from openmla.kernels.device import sm90_gluon
+from openmla.kernels.sparse_mla_decode import shared as _dm
+from openmla.kernels.sparse_mla_decode import sm90 as _v32
+from openmla.quant import ue8m0 as _ue8m0
+
+_GLUON = _v32._GLUON
+if _GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+BLOCK_H = 64
+BLOCK_N = 64  # keys per block: the score wgmma's N
+NUM_WARPS = 4  # the score warpgroup (and prologue); the value and producer warpgroups are workers
+OCCUPANCY = 1  # programs per SM, for the split rule
+V_REGS = 160  # registers of the value warpgroup (O[:, 256:] alone is 128)
+P_REGS = 128  # registers of the producer (a block's 576 bytes a key in flight); the score warpgroup gets the rest
+
+
+def usable(q: torch.Tensor, cache: torch.Tensor, extra_cache=None) -> bool:
+    """Whether this kernel serves these inputs: Gluon kernels may run on the device, and every
+    cache's records start on 16 bytes (16-byte loads: base and block stride; records are 576 B)."""
+    if not sm90_gluon(q.device):
+        return False
+    for c in (cache, extra_cache):
+        if c is not None and (c.data_ptr() % 16 or (c.shape[0] > 1 and c.stride(0) % 16)):
+            return False
+    return True
+
+
+if _GLUON:
+    _V_REGS = gl.constexpr(V_REGS)
+    _P_REGS = gl.constexpr(P_REGS)
+
+    _finish_rows = gluon.jit(_dm.finish_rows.fn)
+    _keep_faults = gluon.jit(_dm.keep_faults.fn)
+    _sink_factor = gluon.jit(_dm.sink_factor.fn)
+    _ue8m0_to_f32 = gluon.jit(_ue8m0.ue8m0_to_f32.fn)
+    _fp8_to_f16 = _v32._fp8_to_f16
+    _store_tiles = _v32._store_tiles
+
+    @gluon.jit
+    def _dequant(x, sb):
+        # e4m3 bytes [N, TILE] times 2^(sb - 127) per row -> bf16, exact (see the module docstring)
+        return (_fp8_to_f16(x).to(gl.float32) * _ue8m0_to_f32(sb)[:, None]).to(gl.bfloat16)
+
+    @gluon.jit
+    def _rows(p_i, n_in, c_ptr, slots, bs, scb, o_n, REC: gl.constexpr):
+        # the block's slots (positions >= n_in are not in the list), each one's record address and
+        # its block's base (64-bit: a cache may pass 2 GB) and validity
+        b_idx = gl.load(p_i + o_n, mask=o_n < n_in, other=-1)
+        m = (b_idx >= 0) & (b_idx < slots)
+        b_idx = gl.where(m, b_idx, 0)
+        blk = c_ptr + (b_idx // bs).to(gl.int64) * scb
+        tok = (b_idx % bs).to(gl.int64)
+        return blk, tok, m
+
+    @gluon.jit
+    def _producer(cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
+                  num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
+                  s_k, s_ok, full, empty, HAS_EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
+                  TILE: gl.constexpr, NT: gl.constexpr, ROPE: gl.constexpr, REC: gl.constexpr, ROPE_OFF: gl.constexpr,
+                  SCALE_BYTES: gl.constexpr):
+        GB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [keys, 64 bytes]
+        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [keys, 64 bf16]
+        GS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        o_nb = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GB))
+        o_nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GR))
+        o_ns = gl.arange(0, BLOCK_N, layout=GS)
+        o_b = gl.arange(0, TILE, layout=gl.SliceLayout(0, GB))
+        o_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, GR))
+        for i in range(n_blk):
+            buf = i % 2
+            # block i of this split: the main list's blocks first, then the extra list's (selects,
+            # not branches: an int argument equal to 1 arrives as a constant)
+            p_i = p_idx + k_lo + i * BLOCK_N
+            n_in = m_hi - k_lo - i * BLOCK_N
+            c_ptr = cache_ptr
+            slots = num_slots
+            bs = block_size
+            scb = stride_cb
+            if HAS_EXTRA:
+                is_x = i >= nm
+                j = i - nm
+                p_i = gl.where(is_x, p_xidx + x_lo + j * BLOCK_N, p_i)
+                n_in = gl.where(is_x, x_hi - x_lo - j * BLOCK_N, n_in)
+                c_ptr = gl.where(is_x, xcache_ptr, c_ptr)
+                slots = gl.where(is_x, x_num_slots, slots)
+                bs = gl.where(is_x, x_block_size, bs)
+                scb = gl.where(is_x, stride_xb, scb)
+            # the row numbers once in each load layout (cheaper than converting them: sm90.py)
+            blk_b, tok_b, m_b = _rows(p_i, n_in, c_ptr, slots, bs, scb, o_nb, REC)
+            blk_r, tok_r, m_r = _rows(p_i, n_in, c_ptr, slots, bs, scb, o_nr, REC)
+            _, _, m_s = _rows(p_i, n_in, c_ptr, slots, bs, scb, o_ns, REC)
+            p_b = gl.multiple_of(blk_b + tok_b * REC, 16)
+            p_b = p_b[:, None] + o_b[None, :]
+            x0 = gl.load(p_b + 0 * TILE, mask=m_b[:, None], other=0)
+            x1 = gl.load(p_b + 1 * TILE, mask=m_b[:, None], other=0)
+            x2 = gl.load(p_b + 2 * TILE, mask=m_b[:, None], other=0)
+            x3 = gl.load(p_b + 3 * TILE, mask=m_b[:, None], other=0)
+            x4 = gl.load(p_b + 4 * TILE, mask=m_b[:, None], other=0)
+            x5 = gl.load(p_b + 5 * TILE, mask=m_b[:, None], other=0)
+            x6 = gl.load(p_b + 6 * TILE, mask=m_b[:, None], other=0)
+            p_r = gl.multiple_of((blk_r + tok_r * REC + ROPE_OFF).to(gl.pointer_type(gl.bfloat16)), 16)
+            xr = gl.load(p_r[:, None] + o_r[None, :], mask=m_r[:, None], other=0.0)
+            # a token's scale bytes follow the block's records; unread (masked) bytes are 0 = 2^-127
+            p_s = blk_b + bs * REC + tok_b * SCALE_BYTES
+            s0 = gl.load(p_s + 0, mask=m_b, other=0)
+            s1 = gl.load(p_s + 1, mask=m_b, other=0)
+            s2 = gl.load(p_s + 2, mask=m_b, other=0)
+            s3 = gl.load(p_s + 3, mask=m_b, other=0)
+            s4 = gl.load(p_s + 4, mask=m_b, other=0)
+            s5 = gl.load(p_s + 5, mask=m_b, other=0)
+            s6 = gl.load(p_s + 6, mask=m_b, other=0)
+            mbarrier.wait(empty.index(buf), ((i // 2) & 1) ^ 1)
+            sk = s_k.index(buf)
+            sk.slice(0 * TILE, TILE, dim=1).store(_dequant(x0, s0))
+            sk.slice(1 * TILE, TILE, dim=1).store(_dequant(x1, s1))
+            sk.slice(2 * TILE, TILE, dim=1).store(_dequant(x2, s2))
+            sk.slice(3 * TILE, TILE, dim=1).store(_dequant(x3, s3))
+            sk.slice(4 * TILE, TILE, dim=1).store(_dequant(x4, s4))
+            sk.slice(5 * TILE, TILE, dim=1).store(_dequant(x5, s5))
+            sk.slice(6 * TILE, TILE, dim=1).store(_dequant(x6, s6))
+            sk.slice(NT * TILE, ROPE, dim=1).store(xr)
+            s_ok.index(buf).store(m_s.to(gl.int8))
+            hopper.fence_async_shared()
+            mbarrier.arrive(full.index(buf))
+
+    @gluon.jit
+    def _scores(s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree, done, n_blk, qk_scale,
+                sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
+                stride_ot, stride_oh, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, VT: gl.constexpr):
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, VT, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        zs = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+        b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+        b_l = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+        b_o0 = gl.zeros([BLOCK_H, VT], gl.float32, O_L)
+        b_o1 = gl.zeros([BLOCK_H, VT], gl.float32, O_L)
+        for i in range(n_blk):
+            buf = i % 2
+            mbarrier.wait(full.index(buf), (i // 2) & 1)
+            sk = s_k.index(buf)
+            t_s = hopper.warpgroup_mma(s_q, sk.permute((1, 0)), zs, use_acc=False, is_async=True)
+            b_sc = hopper.warpgroup_mma_wait(0, deps=[t_s]) * qk_scale
+            m_n = s_ok.index(buf).load(COL_S) != 0
+            # a NaN or inf score of a valid key turns NaN (kernels/softmax.py): the row ends NaN
+            b_sc = gl.where(m_n[None, :], _keep_faults(b_sc), float("-inf"))
+            m_new = gl.maximum(b_m, gl.max(b_sc, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(b_m - m_use)
+            b_p = gl.exp2(b_sc - m_use[:, None])
+            b_l = b_l * alpha + gl.sum(b_p, 1)
+            b_m = m_new
+            p16 = b_p.to(gl.bfloat16)
+            # the value warpgroup's operand: P into s_p once it is done with the previous one
+            mbarrier.wait(pfree, (i & 1) ^ 1)
+            s_p.store(p16)
+            s_f.index(buf).store(alpha)
+            hopper.fence_async_shared()
+            mbarrier.arrive(pfull.index(buf))
+            a_o = gl.convert_layout(alpha, ROW_O)
+            b_o0 = b_o0 * a_o[:, None]
+            b_o1 = b_o1 * a_o[:, None]
+            p = gl.convert_layout(p16, P_L)
+            t0 = hopper.warpgroup_mma(p, sk.slice(0, VT, dim=1), b_o0, is_async=True)
+            t1 = hopper.warpgroup_mma(p, sk.slice(VT, VT, dim=1), b_o1, is_async=True)
+            b_o0, b_o1, p = hopper.warpgroup_mma_wait(0, deps=[t0, t1, p])
+            mbarrier.arrive(empty.index(buf))
+        b_inv, b_lse = _finish_rows(b_l, b_m)
+        o_hs = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
+        m_hs = o_hs < H
+        if not SPLIT:
+            if HAS_SINK:
+                b_inv = b_inv * _sink_factor(sink_ptr, o_hs, m_hs, b_lse)
+        # the stage of s_f the last block did not use: the value warpgroup read it before releasing
+        # its previous block, which the pfree wait of the last block saw
+        s_f.index(n_blk % 2).store(b_inv)
+        mbarrier.arrive(done)
+        _store_tiles(b_o0, b_o1, 0, gl.convert_layout(b_inv, ROW_O), out_ptr, po_ptr, i_t64, i_hb, i_s, H,
+                     NUM_SPLITS, stride_ot, stride_oh, SPLIT, BLOCK_H, VT, O_L)
+        if SPLIT:
+            gl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_hs, b_lse, mask=m_hs)
+        else:
+            gl.store(lse_ptr + i_t64 * H + o_hs, b_lse, mask=m_hs)
+
+    @gluon.jit
+    def _values(s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
+                out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
+                SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, VT: gl.constexpr):
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, VT, 16])
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        b_o2 = gl.zeros([BLOCK_H, VT], gl.float32, O_L)
+        b_o3 = gl.zeros([BLOCK_H, VT], gl.float32, O_L)
+        for i in range(n_blk):
+            buf = i % 2
+            mbarrier.wait(pfull.index(buf), (i // 2) & 1)
+            f = s_f.index(buf).load(ROW_O)
+            b_o2 = b_o2 * f[:, None]
+            b_o3 = b_o3 * f[:, None]
+            sk = s_k.index(buf)
+            t2 = hopper.warpgroup_mma(s_p, sk.slice(2 * VT, VT, dim=1), b_o2, is_async=True)
+            t3 = hopper.warpgroup_mma(s_p, sk.slice(3 * VT, VT, dim=1), b_o3, is_async=True)
+            b_o2, b_o3 = hopper.warpgroup_mma_wait(0, deps=[t2, t3])
+            mbarrier.arrive(pfree)
+            mbarrier.arrive(empty.index(buf))
+        mbarrier.wait(done, 0)
+        inv = s_f.index(n_blk % 2).load(ROW_O)
+        _store_tiles(b_o2, b_o3, 2, inv, out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot,
+                     stride_oh, SPLIT, BLOCK_H, VT, O_L)
+
+    @gluon.jit
+    def sparse_mla_decode_sm90_model1_kernel(
+        q_ptr, cache_ptr, idx_ptr, len_ptr, xcache_ptr, xidx_ptr, xlen_ptr, sink_ptr,
+        out_ptr, lse_ptr, po_ptr, plse_ptr,
+        H, TOPK, XTOPK, XSTART, CHUNK, NUM_HB, NUM_SPLITS,
+        num_slots, block_size, x_num_slots, x_block_size,
+        stride_qt, stride_qh, stride_cb, stride_xb, stride_it, stride_xt, stride_ot, stride_oh,
+        qk_scale,
+        E4M3: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
+        HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        TILE: gl.constexpr, NT: gl.constexpr, ROPE: gl.constexpr, REC: gl.constexpr,
+        ROPE_OFF: gl.constexpr, SCALE_BYTES: gl.constexpr,
+    ):
+        gl.static_assert(NT * TILE + ROPE == 512)  # d_qk = d_v = 512: four 128-wide output tiles
+        D: gl.constexpr = NT * TILE + ROPE
+        VT: gl.constexpr = D // 4
+        GQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        SH16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SH1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+        i_p = gl.program_id(0)
+        i_s = gl.program_id(1)
+        i_t = i_p // NUM_HB
+        i_hb = i_p % NUM_HB
+        i_t64 = i_t.to(gl.int64)
+
+        # this split's part [k_lo, k_lo + CHUNK) of the joined list: main positions [0, n_main),
+        # extra ones from XSTART (a multiple of BLOCK_N: no block straddles the two lists)
+        k_lo = i_s * CHUNK
+        k_hi = k_lo + CHUNK
+        n_main = TOPK
+        if HAS_LEN:
+            n_main = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
+        m_hi = gl.minimum(k_hi, n_main)
+        nm = gl.cdiv(gl.maximum(m_hi - k_lo, 0), BLOCK_N)
+        x_lo = k_lo * 0
+        x_hi = k_lo * 0
+        nx = k_lo * 0
+        if HAS_EXTRA:
+            n_extra = XTOPK
+            if HAS_XLEN:
+                n_extra = gl.minimum(gl.maximum(gl.load(xlen_ptr + i_t), 0), XTOPK)
+            x_lo = gl.maximum(k_lo - XSTART, 0)
+            x_hi = gl.minimum(k_hi - XSTART, n_extra)
+            nx = gl.cdiv(gl.maximum(x_hi - x_lo, 0), BLOCK_N)
+        n_blk = nm + nx
+
+        # q as given (bf16), one 128-wide tile at a time into shared memory
+        o_hq = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GQ))
+        m_hq = (o_hq < H)[:, None]
+        p_q = q_ptr + i_t64 * stride_qt + o_hq[:, None] * stride_qh
+        o_tq = gl.arange(0, VT, layout=gl.SliceLayout(0, GQ))
+        s_q = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], SH16)
+        for t in gl.static_range(4):
+            s_q.slice(t * VT, VT, dim=1).store(gl.load(p_q + t * VT + o_tq[None, :], mask=m_hq, other=0.0))
+
+        s_k = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D], SH16)
+        s_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], SH16)
+        s_f = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], SH1)
+        s_ok = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], SH1)
+        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        pfree = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(full.index(b), count=1)
+            mbarrier.init(empty.index(b), count=2)  # the score and the value warpgroups
+            mbarrier.init(pfull.index(b), count=1)
+        mbarrier.init(pfree, count=1)
+        mbarrier.init(done, count=1)
+
+        p_idx = idx_ptr + i_t64 * stride_it
+        p_xidx = xidx_ptr + i_t64 * stride_xt
+        gl.warp_specialize(
+            [(_scores, (s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree, done, n_blk, qk_scale,
+                        sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
+                        stride_ot, stride_oh, HAS_SINK, SPLIT, BLOCK_H, BLOCK_N, VT)),
+             (_values, (s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
+                        out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
+                        SPLIT, BLOCK_H, VT)),
+             (_producer, (cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
+                          num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
+                          s_k, s_ok, full, empty, HAS_EXTRA, BLOCK_N, TILE, NT, ROPE, REC, ROPE_OFF,
+                          SCALE_BYTES))],
+            [4, 4], [_V_REGS, _P_REGS])
