@@ -240,9 +240,10 @@ def test_hopper_dispatch(H, gluon):
 @pytest.mark.parametrize("extra", [False, True])
 def test_sm90_model1_kernel_compiles(extra):
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
-    that breaks it, outgrows shared memory (227 KB; it uses 201 KB) or spills fails on the CPU
-    too (the three warpgroups fit their register split without a stack: score 224 / value 160 /
-    producer 128)."""
+    that breaks it, outgrows shared memory (227 KB; it uses 209 KB) or spills fails on the CPU
+    too. Register split score 224 / value 160 / producer 120: no stack without the extra cache, 8
+    bytes with it (the producer's second set of cache arguments); the producer at 112 spills 32-64
+    bytes, the score warpgroup at 216 (producer 128) 16."""
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_decode.sm90_model1", "sparse_mla_decode_sm90_model1_kernel",
         dict(E4M3=True, HAS_LEN=True, HAS_EXTRA=extra, HAS_XLEN=extra, HAS_SINK=True, SPLIT=True,
@@ -250,7 +251,7 @@ def test_sm90_model1_kernel_compiles(extra):
              ROPE_OFF=448, SCALE_BYTES=8),
         ["*bf16", "*u8", "*i32", "*i32", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"],
         sm90_model1.NUM_WARPS)
-    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] == 0, got
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 8 * extra, got
     # wgmma; 16-byte gathers into registers (the bytes are converted before they reach shared memory)
     assert got["hgmma"] > 0 and got["ldg128"] > 0 and got["ldgsts"] == 0, got
 
