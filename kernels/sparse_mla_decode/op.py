@@ -8,10 +8,11 @@ warpgroups, row bytes gathered a step ahead), up to 32 heads to kernels/sparse_m
 (keys on the wgmma M, K and V^T register operands built from the bytes, a producer warpgroup
 gathering); the Triton kernel serves everything else. MODEL1 (DeepSeek-V4) caches go to
 kernels/sparse_mla_decode/model1_kernel.py on every GPU, with or without the extra cache (its
-programs walk the main list, then the extra one, in one softmax), and on Hopper with more than
-M1_GLUON_MIN_HEADS heads to its Gluon counterpart kernels/sparse_mla_decode/sm90_model1.py (64-head
-blocks, bf16 K dequantized once a block); an extra cache beside the other formats runs the Triton
-kernel once per list into one set of partials.
+programs walk the main list, then the extra one, in one softmax), and on Hopper at every head count
+to its Gluon counterpart kernels/sparse_mla_decode/sm90_model1.py (64-head blocks, bf16 K
+dequantized once a block: its producer's gathers bound it, so padded heads cost little; 1.2-2x
+faster than the Triton kernel at 16-48 heads, docs/benchmarks.md); an extra cache beside the other
+formats runs the Triton kernel once per list into one set of partials.
 
 When T x head blocks cannot fill the GPU, topk is split across programs and a second kernel
 merges the partial (out, lse) pairs (kernels.merge.merge_step) and applies the sink. The split
@@ -287,24 +288,24 @@ def _merge(po, plse, attn_sink, out, lse, fmt, key, plan=None, out_strides=None)
 
 _M1 = FastLaunch(sparse_mla_decode_model1_kernel)
 _M1_SM90 = FastLaunch(_m1.sparse_mla_decode_sm90_model1_kernel) if _m1._GLUON else None
-M1_GLUON_MIN_HEADS = 32  # MODEL1 on Hopper: more heads than this run the Gluon kernel
 
 
 def _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt, config, num_splits):
     """(launcher, grid, ints, constexprs, splits) of a MODEL1 kernel: the Gluon kernel
-    (sm90_model1.py) on Hopper above M1_GLUON_MIN_HEADS heads, else the Triton kernel
+    (sm90_model1.py) on Hopper, else the Triton kernel
     (model1_kernel.py); a pinned config (tests, sweeps) always means the Triton kernel. Both take the
     same arguments; a program walks one split of the joined list: the main indices, then from
     XSTART (topk rounded up to BLOCK_N) the extra ones; the splits are sized over that length as
     for the fp8_ds_mla kernels (config.py)."""
     T, H, _ = q.shape
     topk = indices.shape[1]
-    gluon = H > M1_GLUON_MIN_HEADS and not config and _m1.usable(q, cache, extra_cache)
+    gluon = not config and _m1.usable(q, cache, extra_cache)
     if gluon:
         cfg = dict(BLOCK_H=_m1.BLOCK_H, BLOCK_N=_m1.BLOCK_N, occupancy=_m1.OCCUPANCY, one_round=True)
     else:
         cfg = _triton_config(q, H, config, _M1_SPACE)
-    block_h, num_hb = _head_blocks(cfg, H)
+    # the Gluon kernel's layouts are for 64 rows: its blocks never shrink to a smaller H
+    block_h, num_hb = (_m1.BLOCK_H, triton.cdiv(H, _m1.BLOCK_H)) if gluon else _head_blocks(cfg, H)
     block_n = cfg["BLOCK_N"]
     xtopk = extra_indices.shape[1] if extra_cache is not None else 0
     xstart = triton.cdiv(topk, block_n) * block_n

@@ -134,7 +134,7 @@ def test_shapes(T, H, topk, nb, bs, extra):
     pytest.param([0, -1, 13, 50], [0, 0, 1, 99], id="len+xlen-both-empty-row0-row1"),
 ])
 @pytest.mark.parametrize("sink", [None, "finite", "inf"])
-@pytest.mark.parametrize("H", [16, pytest.param(64, marks=GPU_ONLY)])  # 64: the Gluon kernel on Hopper
+@pytest.mark.parametrize("H", [16, pytest.param(64, marks=GPU_ONLY)])  # 64: a full Gluon block on Hopper, two Triton head blocks elsewhere
 def test_lengths_and_sinks(main_len, extra_len, sink, H):
     T = 4
     q, cache, idx, kw = make_case(T, H, 50, 3, 64, (40, 20, 2), seed=3, q_mul=2.0)
@@ -205,7 +205,7 @@ def test_forced_splits(num_splits):
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 7])
 @pytest.mark.parametrize("H", [64, 128])
 def test_forced_splits_64_head_blocks(num_splits, H):
-    """The 64-key blocks of the Gluon kernel (Hopper; the Triton kernel's 32-head blocks
+    """The 64-head, 64-key blocks of the Gluon kernel (Hopper; the Triton kernel's 32-head blocks
     elsewhere): splits that straddle the two lists (XSTART = 192), splits the lengths leave empty,
     lengths cutting a block, a sink, in the merge and in the one-split epilogue."""
     T = 3
@@ -222,18 +222,18 @@ def test_forced_splits_64_head_blocks(num_splits, H):
 
 
 @SM90_ONLY
-@pytest.mark.parametrize("H,gluon", [(32, False), (33, True), (64, True), (128, True)])
-def test_hopper_dispatch(H, gluon):
-    """On Hopper, MODEL1 with more than M1_GLUON_MIN_HEADS heads runs the Gluon kernel (so the GPU
-    tests at 48 / 64 / 128 heads test it), fewer the Triton kernel; a pinned config or a cache
-    whose block stride is not a multiple of 16 bytes the Triton kernel."""
+@pytest.mark.parametrize("H", [1, 16, 48, 64, 128])
+def test_hopper_dispatch(H):
+    """On Hopper, MODEL1 runs the Gluon kernel at every head count (so the GPU tests test it there),
+    in 64-head blocks; a pinned config, or a cache whose block stride is not a multiple of 16 bytes,
+    the Triton kernel."""
     q, cache, idx, kw = make_case(2, H, 64, 4, 64, (32, 20, 2), seed=H)
     plan = _op._plan_model1(q, cache, idx, kw["extra_cache"], kw["extra_indices"], FP8_MODEL1, None, None)
-    assert (plan[0] is _op._M1_SM90) == gluon
+    assert plan[0] is _op._M1_SM90 and plan[1][0] == 2 * -(-H // 64) and plan[3]["BLOCK_H"] == 64
     pinned = _op._plan_model1(q, cache, idx, None, None, FP8_MODEL1, dict(BLOCK_N=32), None)
     assert pinned[0] is _op._M1
     odd = FP8_MODEL1.empty_cache(4, 64, block_stride=FP8_MODEL1.padded_block_bytes(64) + 2, device=DEVICE)
-    assert not sm90_model1.usable(q, odd) and sm90_model1.usable(q, cache) == (_op._M1_SM90 is not None)
+    assert not sm90_model1.usable(q, odd) and sm90_model1.usable(q, cache)
 
 
 @pytest.mark.skipif(not sm90_model1._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
@@ -331,7 +331,7 @@ def test_flashmla_generator(b, s_q, H, lists, zero_seqlen):
 @pytest.mark.parametrize("where", ["nope", "rope", "scale"])
 @pytest.mark.parametrize("which", ["main", "extra"])
 @pytest.mark.parametrize("num_splits", [None, 3])
-@pytest.mark.parametrize("H", [8, pytest.param(64, marks=GPU_ONLY)])  # 64: the Gluon kernel on Hopper
+@pytest.mark.parametrize("H", [8, pytest.param(64, marks=GPU_ONLY)])  # 64: a full Gluon block on Hopper, two Triton head blocks elsewhere
 def test_faults(where, which, num_splits, H):
     T = 3
     q, cache, idx, kw = make_case(T, H, 32, 3, 16, (24, 12, 2), seed=21)
