@@ -159,9 +159,9 @@ if _GLUON:
             mbarrier.arrive(full.index(buf))
 
     @gluon.jit
-    def _scores(s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree, done, n_blk, qk_scale,
-                sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
-                stride_ot, stride_oh, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+    def _scores(q_ptr, stride_qt, stride_qh, s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree, done,
+                n_blk, qk_scale, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H,
+                NUM_SPLITS, stride_ot, stride_oh, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, VT: gl.constexpr):
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, VT, 16])
@@ -169,6 +169,16 @@ if _GLUON:
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        GQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        # q as given (bf16), one 128-wide tile at a time into shared memory; here rather than before
+        # the partitions, so that the producer's first gathers are in flight meanwhile
+        o_hq = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GQ))
+        m_hq = (o_hq < H)[:, None]
+        p_q = q_ptr + i_t64 * stride_qt + o_hq[:, None] * stride_qh
+        o_tq = gl.arange(0, VT, layout=gl.SliceLayout(0, GQ))
+        for t in gl.static_range(4):
+            s_q.slice(t * VT, VT, dim=1).store(gl.load(p_q + t * VT + o_tq[None, :], mask=m_hq, other=0.0))
+        hopper.fence_async_shared()
         zs = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
         b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
         b_l = gl.zeros([BLOCK_H], gl.float32, ROW_S)
@@ -271,7 +281,6 @@ if _GLUON:
         gl.static_assert(NT * TILE + ROPE == 512)  # d_qk = d_v = 512: four 128-wide output tiles
         D: gl.constexpr = NT * TILE + ROPE
         VT: gl.constexpr = D // 4
-        GQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         SH16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         SH1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
@@ -302,14 +311,7 @@ if _GLUON:
             nx = gl.cdiv(gl.maximum(x_hi - x_lo, 0), BLOCK_N)
         n_blk = nm + nx
 
-        # q as given (bf16), one 128-wide tile at a time into shared memory
-        o_hq = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GQ))
-        m_hq = (o_hq < H)[:, None]
-        p_q = q_ptr + i_t64 * stride_qt + o_hq[:, None] * stride_qh
-        o_tq = gl.arange(0, VT, layout=gl.SliceLayout(0, GQ))
         s_q = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], SH16)
-        for t in gl.static_range(4):
-            s_q.slice(t * VT, VT, dim=1).store(gl.load(p_q + t * VT + o_tq[None, :], mask=m_hq, other=0.0))
 
         s_k = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D], SH16)
         s_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], SH16)
@@ -330,8 +332,8 @@ if _GLUON:
         p_idx = idx_ptr + i_t64 * stride_it
         p_xidx = xidx_ptr + i_t64 * stride_xt
         gl.warp_specialize(
-            [(_scores, (s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree, done, n_blk, qk_scale,
-                        sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
+            [(_scores, (q_ptr, stride_qt, stride_qh, s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree,
+                        done, n_blk, qk_scale, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
                         stride_ot, stride_oh, HAS_SINK, SPLIT, BLOCK_H, BLOCK_N, VT)),
              (_values, (s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
                         out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
