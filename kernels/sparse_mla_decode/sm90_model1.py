@@ -70,6 +70,7 @@ if _GLUON:
     _ue8m0_to_f32 = gluon.jit(_ue8m0.ue8m0_to_f32.fn)
     _fp8_to_f16 = _v32._fp8_to_f16
     _store_tiles = _v32._store_tiles
+    _barriers = _v32._barriers
 
     @gluon.jit
     def _dequant(x, sb):
@@ -317,17 +318,7 @@ if _GLUON:
         s_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], SH16)
         s_f = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], SH1)
         s_ok = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], SH1)
-        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        pfree = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
-            mbarrier.init(full.index(b), count=1)
-            mbarrier.init(empty.index(b), count=2)  # the score and the value warpgroups
-            mbarrier.init(pfull.index(b), count=1)
-        mbarrier.init(pfree, count=1)
-        mbarrier.init(done, count=1)
+        full, empty, pfull, pfree, done = _barriers()
 
         p_idx = idx_ptr + i_t64 * stride_it
         p_xidx = xidx_ptr + i_t64 * stride_xt
