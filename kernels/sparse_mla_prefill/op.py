@@ -32,9 +32,9 @@ scale). Per block of rows:
 On Hopper (Gluon available, kv rows on 16 bytes) two Gluon kernels take over: H <= 32 runs with
 keys on the wgmma M, warp-specialised (kernels/sparse_mla_prefill/sm90_kn.py), H > 32 in 64-head
 blocks (kernels/sparse_mla_prefill/sm90.py: score tile split over the two warpgroups, the next
-rows' gather issued a whole step ahead). They are written for d_qk 576. This kernel serves
-everything else (d_qk 512 on every GPU, other GPUs, the interpreter, OPENMLA_SM90_GLUON=0,
-unaligned rows).
+rows' gather issued a whole step ahead; also d_qk 512, with no rope buffers). The keys-on-M kernel
+is written for d_qk 576. This kernel serves everything else (d_qk 512 at H <= 32, other GPUs, the
+interpreter, OPENMLA_SM90_GLUON=0, unaligned rows).
 
 Timings: docs/benchmarks.md; the measurements behind these choices and the variants tried:
 docs/notes/sparse_mla_prefill.md.
@@ -267,10 +267,12 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink, out):
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0 or H == 0:
         return lse, max_logits
-    if d_qk == D_QK and _sm90.usable(q, kv):  # Hopper with Gluon, 16-byte rows, V3.2 width
+    # Hopper with Gluon and 16-byte rows: V3.2 rows at any H, V4's 512-wide rows in 64-head blocks
+    # (the keys-on-M kernel is written for 576)
+    if _sm90.usable(q, kv) and (d_qk == D_QK or H > _kn.MAX_HEADS):
         sm90 = _kn if H <= _kn.MAX_HEADS else _sm90
         sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
-                    D_LAT, D_ROPE)
+                    D_LAT, d_qk - D_LAT)
         return lse, max_logits
     block_h = _block_h(H, arch_of(q.device), d_qk)
     num_hb = triton.cdiv(H, block_h)

@@ -12,7 +12,9 @@ program owns one query token and 64 heads, 8 warps = two warpgroups. It exists b
   at the next step's top, which exposes the gather latency. Here the copy of block i+1 is issued
   at the top of step i (two 72 KB row buffers, cp.async, zero-fill for masked rows) and the
   next block's indices are loaded a step ahead, so a whole step hides the gather.
-Shared memory: q 72 KB + 2 x 72 KB rows + P exchange ~ 220 KB (one program per SM).
+Shared memory: q 72 KB + 2 x 72 KB rows + P exchange ~ 220 KB (one program per SM). DeepSeek-V4's
+512-wide rows (d_qk 512, the value the whole row: D_ROPE = 0) take the same kernel without the rope
+buffers and its score wgmma: 64 + 2 x 64 KB.
 
 Timings: docs/benchmarks.md; against the Triton kernel: docs/notes/sparse_mla_prefill.md.
 
@@ -67,9 +69,10 @@ if _GLUON:
         # launch() only runs 16-byte aligned rows here, so every copy moves 16 bytes
         p_kv = gl.multiple_of(p_kv, 16)  # bytes
         o_l = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GATHER))
-        o_r = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GATHER))
         cp.async_copy_global_to_shared(s_lat, p_kv[:, None] + o_l[None, :], mask=m_n[:, None])
-        cp.async_copy_global_to_shared(s_rope, p_kv[:, None] + o_r[None, :], mask=m_n[:, None])
+        if D_ROPE > 0:  # d_qk 576; 512-wide (V4) rows are all value
+            o_r = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GATHER))
+            cp.async_copy_global_to_shared(s_rope, p_kv[:, None] + o_r[None, :], mask=m_n[:, None])
         cp.commit_group()
 
     @gluon.jit
@@ -104,13 +107,15 @@ if _GLUON:
         o_hg = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_G)
         p_q = q_ptr + i_t * stride_qt + o_hg[:, None] * stride_qh
         o_lg = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, G_L))
-        o_rg = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, G_L))
         b_ql = gl.load(p_q + o_lg[None, :], mask=(o_hg < H)[:, None], other=0.0)
-        b_qr = gl.load(p_q + o_rg[None, :], mask=(o_hg < H)[:, None], other=0.0)
         s_ql = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], SH, b_ql)
-        s_qr = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], SH, b_qr)
         s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
-        s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], SH)
+        s_kr = s_kl  # no rope buffers for 512-wide rows (D_ROPE = 0): never read
+        if D_ROPE > 0:
+            o_rg = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, G_L))
+            b_qr = gl.load(p_q + o_rg[None, :], mask=(o_hg < H)[:, None], other=0.0)
+            s_qr = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], SH, b_qr)
+            s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], SH)
 
         n_use = TOPK
         if HAS_LEN:
@@ -149,8 +154,11 @@ if _GLUON:
             s_lat = s_kl.index(buf)
             s_rope = s_kr.index(buf)
             b_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
-            t_s = hopper.warpgroup_mma(s_qr, s_rope.permute((1, 0)), b_s, use_acc=False, is_async=True)
-            t_s = hopper.warpgroup_mma(s_ql, s_lat.permute((1, 0)), t_s, is_async=True)
+            if D_ROPE > 0:
+                t_s = hopper.warpgroup_mma(s_qr, s_rope.permute((1, 0)), b_s, use_acc=False, is_async=True)
+                t_s = hopper.warpgroup_mma(s_ql, s_lat.permute((1, 0)), t_s, is_async=True)
+            else:
+                t_s = hopper.warpgroup_mma(s_ql, s_lat.permute((1, 0)), b_s, use_acc=False, is_async=True)
             b_s = hopper.warpgroup_mma_wait(0, deps=[t_s])
             # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
             b_s = gl.where(m_n[None, :], _keep_faults(b_s), float("-inf"))

@@ -145,18 +145,21 @@ def test_triton_kernel_on_hopper(case, request, monkeypatch):
 
 
 @pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
-def test_sm90_kernel_compiles_without_spills():
+@pytest.mark.parametrize("d_rope", [64, 0], ids=["d_qk576", "d_qk512"])
+def test_sm90_kernel_compiles_without_spills(d_rope):
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
-    that breaks it, spills or outgrows shared memory fails on the CPU too."""
+    that breaks it, spills or outgrows shared memory fails on the CPU too; for V3.2 rows and for
+    DeepSeek-V4's 512-wide rows (no rope buffers)."""
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_prefill.sm90", "sparse_mla_prefill_sm90_kernel",
-        dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=64,
+        dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=d_rope,
              BLOCK_H=sm90.BLOCK_H, BLOCK_N=sm90.BLOCK_N),
         ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90.NUM_WARPS)
     assert got["shared"] <= 227 * 1024 and got["stack"] == 0 and got["regs"] <= 255, got
-    # what it is for: tensor-core wgmma and asynchronous 16-byte gathers (18 per thread per block
-    # of 64 rows, issued in two places: before the loop and in it)
-    assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] == 2 * 18, got
+    # what it is for: tensor-core wgmma and asynchronous 16-byte gathers (per thread per block of
+    # 64 rows: 18 of a 576-wide row block, 16 of a 512-wide one; issued before the loop and in it)
+    per_block = (512 + d_rope) * 2 * 64 // 16 // 256
+    assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] == 2 * per_block, got
 
 
 @pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
