@@ -4,7 +4,7 @@ cache): the public op `sparse_mla_decode`.
     op.py       the public op, its dispatch and launch plans
     config.py   the Triton kernels' launch configs and the topk split count
     model1_kernel.py  the MODEL1 (DeepSeek-V4) kernel (any GPU): main + extra list in one softmax
-    sm90_model1.py    its Hopper Gluon counterpart above 32 heads (64-head blocks, bf16 K dequantized once)
+    sm90_model1.py    its Hopper Gluon counterpart, every head count (64-head blocks, bf16 K dequantized once)
     triton_kernel.py  the portable Triton kernel (any GPU) and the split merge
     sm90.py     Gluon kernel for Hopper, > 32 heads: 64-head wgmma tiles
     sm90_kn.py  Gluon kernel for Hopper, <= 32 heads: keys on the wgmma M, a producer warpgroup

@@ -16,14 +16,13 @@ q . K over all 512 dims (q is bf16 as given: no per-head rescaling), accumulated
 are exact products as in the portable kernel. P feeds P.V over the same K stage (V is the whole
 dequantized token) as two bf16 operands, hi = bf16(P) and lo = bf16(P - hi): 16 significant bits
 (the portable kernel's fp16 P_t has 11). FlashMLA rounds P to bf16 once (8 bits); that misses the
-tests' absolute bound where large terms cancel, and the second value wgmma costs little here
+tests' absolute bound where large terms cancel; the second value wgmma costs 3-9 %
 (docs/benchmarks.md).
 A NaN byte (e4m3 0x7f / 0xff) or a NaN scale byte (255) gives a NaN K element, a NaN score, and a
 NaN row, as in every kernel (kernels/softmax.py).
 
-Stages: q [64, 512] bf16 64 KB + two K stages [64, 512] bf16 128 KB + P hi / lo [64, 64] bf16 16 KB =
-209 KB:
-one program per SM, 12 warps.
+Shared memory: q [64, 512] bf16 64 KB + two K stages [64, 512] bf16 128 KB + P hi / lo [64, 64]
+bf16 16 KB = 209 KB: one program per SM, 12 warps.
 """
 from __future__ import annotations
 
@@ -78,7 +77,7 @@ if _GLUON:
         return (_fp8_to_f16(x).to(gl.float32) * _ue8m0_to_f32(sb)[:, None]).to(gl.bfloat16)
 
     @gluon.jit
-    def _rows(p_i, n_in, c_ptr, slots, bs, scb, o_n, REC: gl.constexpr):
+    def _rows(p_i, n_in, c_ptr, slots, bs, scb, o_n):
         # the block's slots (positions >= n_in are not in the list), each one's record address and
         # its block's base (64-bit: a cache may pass 2 GB) and validity
         b_idx = gl.load(p_i + o_n, mask=o_n < n_in, other=-1)
@@ -122,9 +121,9 @@ if _GLUON:
                 bs = gl.where(is_x, x_block_size, bs)
                 scb = gl.where(is_x, stride_xb, scb)
             # the row numbers once in each load layout (cheaper than converting them: sm90.py)
-            blk_b, tok_b, m_b = _rows(p_i, n_in, c_ptr, slots, bs, scb, o_nb, REC)
-            blk_r, tok_r, m_r = _rows(p_i, n_in, c_ptr, slots, bs, scb, o_nr, REC)
-            _, _, m_s = _rows(p_i, n_in, c_ptr, slots, bs, scb, o_ns, REC)
+            blk_b, tok_b, m_b = _rows(p_i, n_in, c_ptr, slots, bs, scb, o_nb)
+            blk_r, tok_r, m_r = _rows(p_i, n_in, c_ptr, slots, bs, scb, o_nr)
+            _, _, m_s = _rows(p_i, n_in, c_ptr, slots, bs, scb, o_ns)
             p_b = gl.multiple_of(blk_b + tok_b * REC, 16)
             p_b = p_b[:, None] + o_b[None, :]
             x0 = gl.load(p_b + 0 * TILE, mask=m_b[:, None], other=0)
