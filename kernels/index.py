@@ -30,12 +30,14 @@ _INT32_MAX = 2**31 - 1
 def convert_req_index_to_global_kernel(
     req_id_ptr, block_table_ptr, tok_ptr, out_ptr, count_ptr, ws_rid_ptr, ws_start_ptr, len_ptr,
     K, M, R, R_WS, block_size,
-    stride_bt, stride_tok, stride_out,
+    stride_bt, stride_tok, stride_out, cp_size, cp_rank, cp_interleave,
     BLOCK_K: tl.constexpr, HAS_WS: tl.constexpr, COUNT: tl.constexpr, HAS_LEN: tl.constexpr,
+    CP: tl.constexpr,
 ):
     convert_row(tl.program_id(0).to(tl.int64), req_id_ptr, block_table_ptr, tok_ptr, out_ptr,
                 count_ptr, ws_rid_ptr, ws_start_ptr, len_ptr, K, M, R, R_WS, block_size,
-                stride_bt, stride_tok, stride_out, BLOCK_K, HAS_WS, COUNT, HAS_LEN)
+                stride_bt, stride_tok, stride_out, BLOCK_K, HAS_WS, COUNT, HAS_LEN,
+                cp_size, cp_rank, cp_interleave, CP)
 
 
 @triton.jit
@@ -44,9 +46,15 @@ def convert_row(
     K, M, R, R_WS, block_size,
     stride_bt, stride_tok, stride_out,
     BLOCK_K: tl.constexpr, HAS_WS: tl.constexpr, COUNT: tl.constexpr, HAS_LEN: tl.constexpr,
+    cp_size=1, cp_rank=0, cp_interleave=1, CP: tl.constexpr = False,
 ):
     """Token i_t's row (int64): the kernel's work for one program (kernels.head_matmul's layer
-    prologue runs it beside the absorption)."""
+    prologue runs it beside the absorption).
+
+    CP (decode context parallelism, mla/cp.py's layout): a position is this rank's when
+    (p // cp_interleave) % cp_size == cp_rank and then becomes its local index; the row's own
+    positions are converted and written to the front of the output row in their order, every
+    other position as -1 behind them, and count_ptr gets how many are in front."""
     req = tl.load(req_id_ptr + i_t).to(tl.int64)
     req_ok = (req >= 0) & (req < R)
     if HAS_LEN:
@@ -61,9 +69,20 @@ def convert_row(
         ws_start = tl.load(ws_start_ptr + rid, mask=pf_ok, other=0).to(tl.int64)
     o_k = tl.arange(0, BLOCK_K)
     count = tl.zeros([BLOCK_K], dtype=tl.int32)
+    n_front = tl.full([], 0, tl.int32)
     for k0 in range(0, K, BLOCK_K):
         m_k = (k0 + o_k) < K
         idx = tl.load(tok_ptr + i_t * stride_tok + k0 + o_k, mask=m_k, other=-1).to(tl.int64)
+        if CP:
+            chunk = tl.where(idx >= 0, idx // cp_interleave, 0)
+            mine = m_k & (idx >= 0) & (chunk % cp_size == cp_rank)
+            idx = tl.where(mine, (chunk // cp_size) * cp_interleave + (idx - chunk * cp_interleave), -1)
+            # destination: the rank's positions to the front in order, the others from the back
+            n_mine = n_front + tl.cumsum(mine.to(tl.int32), axis=0)
+            dest = tl.where(mine, n_mine - 1, K - (k0 + o_k + 1 - n_mine))
+            n_front += tl.sum(mine.to(tl.int32), axis=0)
+        else:
+            dest = k0 + o_k
         pos = idx >= 0
         if HAS_LEN:
             pos = pos & (idx < n_len)
@@ -78,16 +97,19 @@ def convert_row(
             slot = tl.where(is_pf, row, slot)
             valid = tl.where(is_pf, pf_valid, valid)
         res = tl.where(valid, slot, -1).to(tl.int32)
-        tl.store(out_ptr + i_t * stride_out + k0 + o_k, res, mask=m_k)
+        tl.store(out_ptr + i_t * stride_out + dest, res, mask=m_k)
         count += valid.to(tl.int32)
-    if COUNT:
+    if CP:
+        tl.store(count_ptr + i_t, n_front)
+    elif COUNT:
         tl.store(count_ptr + i_t, tl.sum(count, axis=0))
 
 
 _KERNEL = FastLaunch(convert_req_index_to_global_kernel)
 
 
-def _launch(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens, out, counts):
+def _launch(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens, out, counts,
+            cp=None):
     T, K = token_indices.shape
     block_k = min(1024, next_pow2(max(K, 16)))
     dummy = out  # never dereferenced when the matching constexpr flag is off
@@ -98,16 +120,16 @@ def _launch(req_id, block_table, token_indices, block_size, ws_rid, ws_start, se
             seq_lens if seq_lens is not None else dummy,
             K, block_table.shape[1], block_table.shape[0],
             ws_start.shape[0] if ws_start is not None else 0, block_size,
-            block_table.stride(0), token_indices.stride(0), out.stride(0))
+            block_table.stride(0), token_indices.stride(0), out.stride(0)) + (cp or (1, 0, 1))
     consts = dict(BLOCK_K=block_k, HAS_WS=ws_rid is not None, COUNT=counts is not None,
-                  HAS_LEN=seq_lens is not None)
+                  HAS_LEN=seq_lens is not None, CP=cp is not None)
     # every tensor is int32 (checked); with every pointer 16-byte aligned, the int arguments and
     # the flags key the launch
     aligned = (req_id.data_ptr() | block_table.data_ptr() | token_indices.data_ptr() | out.data_ptr()
                | args[4].data_ptr() | args[5].data_ptr() | args[6].data_ptr() | args[7].data_ptr()) & 15 == 0
     if aligned:
-        _KERNEL.keyed(args[8:] + (block_k, ws_rid is not None, counts is not None, seq_lens is not None),
-                      (T,), *args, **consts)
+        _KERNEL.keyed(args[8:] + (block_k, ws_rid is not None, counts is not None, seq_lens is not None,
+                                  cp is not None), (T,), *args, **consts)
     else:
         _KERNEL((T,), *args, **consts)
 
@@ -122,6 +144,7 @@ def convert_req_index_to_global(
     seq_lens: Optional[torch.Tensor] = None,
     return_valid_counts: bool = False,
     out: Optional[torch.Tensor] = None,
+    dcp: Optional[Tuple[int, int, int]] = None,
 ):
     """Convert per-request token indices to global cache slots (DESIGN.md, Index conversion).
 
@@ -140,6 +163,14 @@ def convert_req_index_to_global(
             it only the block table bounds an index.
         return_valid_counts: also return the number of valid outputs per token.
         out: optional [T, K] int32 (last dim contiguous) to write into, on token_indices' device.
+        dcp: optional (world_size, rank, interleave) of decode context parallelism (mla/cp.py):
+            the cache and block table hold only this rank's tokens, by local index. A position p
+            is this rank's when (p // interleave) % world_size == rank; it becomes its local
+            index (p // (world_size * interleave)) * interleave + p % interleave, which is then
+            bounded by seq_lens (the rank's local lengths) and converted as above. Each row's
+            own positions are written to the front of its output row in their order, -1 behind
+            them; returns (out, lengths [T] int32: how many each row has in front, the decode
+            kernel's topk_length). Not with workspace or return_valid_counts.
 
     Returns:
         out: [T, K] int32 (the given `out`, or a new tensor). -1 where idx < 0, idx >= seq_lens[req_id] (when given),
@@ -153,13 +184,13 @@ def convert_req_index_to_global(
         try:
             sig = (tensor_signature(req_id), tensor_signature(block_table),
                    tensor_signature(token_indices), tensor_signature(seq_lens), block_size,
-                   return_valid_counts, tensor_signature(out))
+                   return_valid_counts, tensor_signature(out), dcp)
             checked = sig in _CHECKED
         except (AttributeError, TypeError):
             sig, checked = None, False
         if checked:  # this signature passed the checks below
             return _convert(req_id, block_table, token_indices, block_size, None, None, seq_lens,
-                            return_valid_counts, out)
+                            return_valid_counts, out, dcp)
     check_tensor("req_id", req_id, dtype=torch.int32, ndim=1)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
     check_tensor("token_indices", token_indices, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
@@ -184,10 +215,23 @@ def convert_req_index_to_global(
     check_same_device(token_indices=token_indices, req_id=req_id, block_table=block_table,
                       seq_lens=seq_lens, out=out,
                       **{"workspace.request_ids": ws_rid, "workspace.starts": ws_start})
+    if dcp is not None:
+        _check_dcp(dcp, workspace, return_valid_counts)
     if sig is not None:
         _CHECKED.remember(sig)
     return _convert(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens,
-                    return_valid_counts, out)
+                    return_valid_counts, out, dcp)
+
+
+def _check_dcp(dcp, workspace, return_valid_counts) -> None:
+    if not (type(dcp) is tuple and len(dcp) == 3 and all(type(v) is int for v in dcp)):
+        fail("dcp", "a (world_size, rank, interleave) tuple of ints", repr(dcp))
+    n, rank, inter = dcp
+    if not (n >= 1 and 0 <= rank < n and inter >= 1 and n * inter <= _INT32_MAX):
+        fail("dcp", "world_size >= 1, 0 <= rank < world_size, interleave >= 1", repr(dcp))
+    if workspace is not None or return_valid_counts:
+        raise NotImplementedError("convert_req_index_to_global(dcp=...) with a prefill workspace or "
+                                  "return_valid_counts (decode context parallelism is decode-only)")
 
 
 # call signatures (no workspace) that passed convert_req_index_to_global's checks
@@ -203,12 +247,13 @@ def convert_checked(req_id, block_table, token_indices, block_size, seq_lens, ou
 
 
 def _convert(req_id, block_table, token_indices, block_size, ws_rid, ws_start, seq_lens,
-             return_valid_counts, out=None):
+             return_valid_counts, out=None, dcp=None):
     T, K = token_indices.shape
     if out is None:
         out = torch.empty((T, K), dtype=torch.int32, device=token_indices.device)
-    counts = torch.empty(T, dtype=torch.int32, device=out.device) if return_valid_counts else None
+    counts = torch.empty(T, dtype=torch.int32, device=out.device) \
+        if return_valid_counts or dcp is not None else None
     if T > 0:
         _launch(req_id.contiguous(), block_table, token_indices, block_size,
-                None if ws_rid is None else ws_rid.contiguous(), ws_start, seq_lens, out, counts)
-    return (out, counts) if return_valid_counts else out
+                None if ws_rid is None else ws_rid.contiguous(), ws_start, seq_lens, out, counts, dcp)
+    return (out, counts) if counts is not None else out

@@ -109,22 +109,6 @@ class ContextParallel:
         mine = (p >= 0) & (chunk % n == self.rank)
         return torch.where(mine, local, torch.full_like(local, -1))
 
-    def local_topk(self, token_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The indexer's top-k [T, K] int32 -> (this rank's local indices moved to the front of
-        each row in their order, -1 after them, [T, K] int32 with rows K + 1 apart; lengths [T]
-        int32, how many each row has). With the lengths as the decode kernel's topk_length, a
-        rank reads only ~K / N entries of a row instead of K (others' entries are never loaded
-        either way, but every tile of a row costs its heads' arithmetic). Device ops only."""
-        T, K = token_indices.shape
-        local = self.local_indices(token_indices)
-        mine = local >= 0
-        pos = mine.cumsum(1, dtype=torch.int32)
-        dest = torch.where(mine, pos - 1, K).long()  # other ranks' entries land in column K
-        out = torch.full((T, K + 1), -1, dtype=torch.int32, device=token_indices.device)
-        out.scatter_(1, dest, local)
-        out[:, K] = -1
-        return out[:, :K], (pos[:, K - 1] if K else pos.new_zeros(T, 1)[:, 0]).contiguous()
-
     def local_seq_lens(self, seq_lens: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Tokens of each request this rank holds, of the first seq_lens[r] (int32, device ops
         only; `out`: a persistent [R] int32 buffer to write into). vLLM's get_dcp_local_seq_lens."""

@@ -46,7 +46,7 @@ def merge_attn_states_ref(a_out, a_lse, b_out, b_lse):
 
 
 def convert_req_index_ref(req_id, block_table, token_indices, block_size, *, workspace=None,
-                          seq_lens=None):
+                          seq_lens=None, dcp=None):
     """Per-request token index -> global slot (DESIGN.md, Index conversion), vectorized torch.
 
     req_id [T], block_table [R, M], token_indices [T, K], block_size > 0; workspace optional
@@ -56,7 +56,20 @@ def convert_req_index_ref(req_id, block_table, token_indices, block_size, *, wor
     table entry < 0, or the result exceeds int32; else block_table[req, idx // bs] * bs + idx % bs,
     or for a token with request_ids[t] >= 0: starts[request_ids[t]] + idx (-1 if idx < 0 or the
     id >= R_prefill).
+    dcp = (world_size n, rank, interleave i): positions p with (p // i) % n == rank become local
+    indices (p // (n * i)) * i + p % i, the others -1; each row's local ones, converted as above,
+    go to the front in their order, -1 after them. Returns (out, lengths [T]) then.
     """
+    if dcp is not None:
+        n, rank, i = dcp
+        p = token_indices.long()
+        mine = (p >= 0) & ((p // i) % n == rank)
+        local = torch.where(mine, (p // (n * i)) * i + p % i, -1)
+        conv = convert_req_index_ref(req_id, block_table, local.to(torch.int32), block_size,
+                                     seq_lens=seq_lens)
+        order = torch.argsort((~mine).to(torch.int8), dim=1, stable=True)  # own ones first
+        front = torch.where(torch.gather(mine, 1, order), torch.gather(conv, 1, order), -1)
+        return front.to(torch.int32), mine.sum(1).to(torch.int32)
     idx = token_indices.long()
     R, M = block_table.shape
     req = req_id.long()[:, None].expand_as(idx)

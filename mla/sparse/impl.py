@@ -301,10 +301,11 @@ class SparseMLAImpl:
                     if T > 0:  # (an empty step launches nothing: no launch plan to keep)
                         self._remember_decode_layer(q, cache, idx, plan)
                 return (out, lse) if return_lse else out
-            else:  # this rank's share of the top-k, in front, bounded by its local lengths
-                local, n_local = plan.dcp.local_topk(topk_indices)
-                idx = convert_req_index_to_global(plan.req_id_per_token, plan.block_table, local,
-                                                  bs, seq_lens=plan.local_seq_lens)
+            else:  # this rank's share of the top-k as local slots, in front, with its count
+                cp = plan.dcp
+                idx, n_local = convert_req_index_to_global(
+                    plan.req_id_per_token, plan.block_table, topk_indices, bs,
+                    seq_lens=plan.local_seq_lens, dcp=(cp.world_size, cp.rank, cp.interleave))
             _, lse = sparse_mla_decode(q, cache, idx, scale=self.scale, topk_length=n_local, out=out,
                                        fmt=self.cache_format)
             return (out, lse) if return_lse else out

@@ -206,3 +206,68 @@ def test_bad_seq_lens_raise(seq_lens, match):
     with pytest.raises(ValueError, match=match):
         convert_req_index_to_global(torch.zeros(4, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32),
                                     torch.zeros(4, 3, dtype=torch.int32), 16, seq_lens=seq_lens)
+
+
+# ------------------------------------------------------------------ decode context parallelism
+def loop_dcp(req_id, block_table, tok, bs, seq_lens, n, rank, i):
+    """dcp=(n, rank, i) one element at a time: the rank's positions (as local indices, bounded by
+    its local lengths, converted by loop_isolated's rule) in row order, then -1."""
+    T, K = tok.shape
+    local = torch.full_like(tok, -1)
+    fronts, lengths = [], []
+    for t in range(T):
+        mine = [(int(p) // (n * i)) * i + int(p) % i for p in tok[t].tolist() if p >= 0 and (p // i) % n == rank]
+        local[t, :len(mine)] = torch.tensor(mine, dtype=torch.int32)
+        lengths.append(len(mine))
+    conv = loop_isolated(req_id, block_table, local, bs, seq_lens, None)
+    for t in range(T):
+        conv[t, lengths[t]:] = -1
+    return conv, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("n, i, K", [(1, 1, 40), (2, 1, 40), (2, 2, 300), (3, 1, 1030), (4, 5, 77)],
+                         ids=lambda v: str(v))
+def test_dcp_local_front(n, i, K):
+    """dcp=(n, rank, i): every rank's positions converted by its local layout, packed to the
+    front in row order (the decode kernel's topk_length) — against a loop and the oracle, with
+    every kind of bad position (negative, INT32 extremes, past the request, past the table)."""
+    g = torch.Generator().manual_seed(n * 100 + K)
+    T, R, M, bs = 5, 3, 6, 8
+    bt = torch.randperm(R * M + 5, generator=g)[:R * M].view(R, M).to(torch.int32)
+    bt[1, 2] = -1
+    req_id = torch.tensor([0, 1, 2, 1, 3], dtype=torch.int32)  # 3: a token of no request
+    tok = torch.randint(-2, n * M * bs + 9, (T, K), generator=g, dtype=torch.int32)
+    tok[:, :4] = torch.tensor([INT32_MIN, -1, INT32_MAX, n * M * bs], dtype=torch.int32)
+    tok[2, 4:10] = torch.arange(6, dtype=torch.int32) * n * i  # rank 0's, in order
+    for rank in range(n):
+        loc = torch.tensor([n * M * bs // (n * 2) + rank, M * bs, 3], dtype=torch.int32)  # local lengths
+        want, lengths = loop_dcp(req_id, bt, tok, bs, loc, n, rank, i)
+        ref, ref_len = convert_req_index_ref(req_id, bt, tok, bs, seq_lens=loc, dcp=(n, rank, i))
+        assert torch.equal(ref, want) and torch.equal(ref_len, lengths)
+        dev = lambda x: x.to(DEVICE)  # noqa: E731
+        got, got_len = convert_req_index_to_global(dev(req_id), dev(bt), dev(tok), bs, seq_lens=dev(loc),
+                                                   dcp=(n, rank, i))
+        assert torch.equal(got.cpu(), want), (n, i, rank)
+        assert torch.equal(got_len.cpu(), lengths)
+        assert int(lengths.sum()) > 0 and bool((want >= 0).any())
+    if n == 1:  # one rank: the plain conversion, every position in front
+        plain = convert_req_index_ref(req_id, bt, tok, bs, seq_lens=loc)
+        kept = tok >= 0
+        assert torch.equal(want[:, :int(lengths[0])][0], plain[0][kept[0]])
+
+
+@pytest.mark.parametrize("dcp, err", [
+    pytest.param((2, 2, 1), ValueError, id="rank-past-world"),
+    pytest.param((0, 0, 1), ValueError, id="world-0"),
+    pytest.param((2, 0, 0), ValueError, id="interleave-0"),
+    pytest.param([2, 0, 1], ValueError, id="a-list"),
+    pytest.param((2, 0), ValueError, id="two-values"),
+])
+def test_dcp_bad_arguments(dcp, err):
+    args = (torch.zeros(4, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32),
+            torch.zeros(4, 3, dtype=torch.int32), 16)
+    with pytest.raises(err, match="dcp"):
+        convert_req_index_to_global(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args), dcp=dcp)
+    with pytest.raises(NotImplementedError, match="dcp"):
+        convert_req_index_to_global(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args),
+                                    dcp=(2, 0, 1), return_valid_counts=True)

@@ -58,12 +58,18 @@ def test_layout_matches_vllm_virtual_blocks(n, i):
                 continue
             owner, local = _owner_local(p, n, i)
             assert g == (local if owner == rank else -1), (n, i, rank, p, g)
+        # the layer's conversion (kernels.index, dcp=) keeps this rank's positions, local, in front
         rows = pos.view(2, -1).flip(1)
-        front, lengths = cp.local_topk(rows)
+        # (an identity block table: slot = local index, for local indices below 8192)
+        identity = torch.arange(128, dtype=torch.int32)[None].repeat(2, 1)
+        front, lengths = convert_req_index_to_global(
+            torch.tensor([0, 1], dtype=torch.int32).to(DEVICE), identity.to(DEVICE), rows.to(DEVICE), 64,
+            seq_lens=torch.full((2,), INT32_MAX, dtype=torch.int32).to(DEVICE), dcp=(n, rank, i))
         for r in range(2):
             mine = [v for v in cp.local_indices(rows[r]).tolist() if v >= 0]  # in row order
             assert lengths[r].item() == len(mine)
-            assert front[r].tolist() == mine + [-1] * (rows.shape[1] - len(mine))
+            want = [v if v < 8192 else -1 for v in mine]  # past the table: -1, still counted
+            assert front[r].tolist() == want + [-1] * (rows.shape[1] - len(mine))
         seqs = torch.tensor([0, 1, 2, 5, 17, 64, 130, 1001], dtype=torch.int32)
         want = [sum(_owner_local(p, n, i)[0] == rank for p in range(s)) for s in seqs.tolist()]
         assert cp.local_seq_lens(seqs).tolist() == want
