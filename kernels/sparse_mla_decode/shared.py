@@ -28,13 +28,19 @@ def head_f16_factor(b_amax):
 
 
 @triton.jit
-def split_range(len_ptr, i_t, i_s, TOPK, CHUNK, HAS_LEN: tl.constexpr):
-    """[k_lo, k_hi): the indices split i_s of token i_t owns, cut at its topk_length."""
+def split_range(len_ptr, i_t, i_s, TOPK, CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr, HAS_LEN: tl.constexpr):
+    """[k_lo, k_hi): the indices split i_s of token i_t owns, cut at its topk_length. A row
+    shorter than TOPK (the plan sized CHUNK for TOPK) is spread over all NUM_SPLITS splits in
+    whole BLOCK_N blocks, so its splits stay busy instead of the first few alone (a DCP rank's
+    rows hold ~TOPK / N entries)."""
     n_len = TOPK
+    chunk = CHUNK
     if HAS_LEN:
         n_len = tl.minimum(tl.maximum(tl.load(len_ptr + i_t), 0), TOPK)
-    k_lo = i_s * CHUNK
-    return k_lo, tl.minimum(k_lo + CHUNK, n_len)
+        per = (n_len + NUM_SPLITS - 1) // NUM_SPLITS
+        chunk = tl.minimum(CHUNK, (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+    k_lo = i_s * chunk
+    return k_lo, tl.minimum(k_lo + chunk, n_len)
 
 
 @triton.jit
