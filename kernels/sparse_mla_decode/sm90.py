@@ -326,7 +326,7 @@ if _GLUON:
         i_t = i_p // NUM_HB
         i_hb = i_p % NUM_HB
         i_t64 = i_t.to(gl.int64)
-        k_lo, k_hi = _split_range(len_ptr, i_t, i_s, TOPK, CHUNK, NUM_SPLITS, BLOCK_N, HAS_LEN)
+        k_lo, k_hi = _split_range(len_ptr, i_t, i_s, TOPK, CHUNK, gl.num_programs(1), BLOCK_N, HAS_LEN)
 
         # q: latent to fp16 exactly after a per-head power-of-two scaling (a pass for the heads' max,
         # then one tile at a time: the whole q in registers of one warpgroup would spill), rope bf16

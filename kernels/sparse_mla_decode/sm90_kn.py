@@ -332,7 +332,7 @@ if _GLUON:
         i_t = gl.program_id(0)
         i_s = gl.program_id(1)
         i_t64 = i_t.to(gl.int64)
-        k_lo, k_hi = _split_range(len_ptr, i_t, i_s, TOPK, CHUNK, NUM_SPLITS, BLOCK_N, HAS_LEN)
+        k_lo, k_hi = _split_range(len_ptr, i_t, i_s, TOPK, CHUNK, gl.num_programs(1), BLOCK_N, HAS_LEN)
 
         # q^T: latent to fp16 exactly after a per-head power of two, columns permuted (_perm_col);
         # rope stays bf16

@@ -81,7 +81,7 @@ def sparse_mla_decode_kernel(
     i_hb = i_p % NUM_HB
     i_t64 = i_t.to(tl.int64)
 
-    k_lo, k_hi = split_range(len_ptr, i_t, i_s, TOPK, CHUNK, NUM_SPLITS, BLOCK_N, HAS_LEN)
+    k_lo, k_hi = split_range(len_ptr, i_t, i_s, TOPK, CHUNK, tl.num_programs(1), BLOCK_N, HAS_LEN)
 
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
