@@ -8,11 +8,10 @@ then 128 rope bytes; REC bytes apart) come first, then one SCALE_BYTES group per
 bytes and a pad byte that is never read).
 
 One program owns one token, one block of BLOCK_H heads and one contiguous split of the token's
-joined index list: the main list's blocks of BLOCK_N (TOPK indices into `cache`, cut at
-topk_length), then the extra list's (XTOPK indices into `extra_cache`, cut at extra_topk_length),
-dealt to the splits in equal runs by the token's own lengths (shared.joined_split_range). Both
-parts run through one online softmax, so a split that straddles them, or the whole list in one
-program, needs no merge; the sink is applied once, to the joined
+joined index list: the main list (TOPK indices into `cache`, cut at topk_length), then from
+position XSTART (TOPK rounded up to BLOCK_N) the extra list (XTOPK indices into `extra_cache`,
+cut at extra_topk_length). Both parts run through one online softmax, so a split that straddles
+them, or the whole list in one program, needs no merge; the sink is applied once, to the joined
 result (here when one split covers everything, else in the merge kernel).
 
 Arithmetic as in the fp8_ds_mla kernel (kernels/sparse_mla_decode/triton_kernel.py): the e4m3
@@ -27,8 +26,8 @@ Dispatch, splits and the merge: kernels/sparse_mla_decode/op.py.
 import triton
 import triton.language as tl
 
-from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_factor, joined_split_range,
-                                                      keep_faults, sink_factor, softmax_step)
+from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_factor, keep_faults,
+                                                      sink_factor, softmax_step)
 from openmla.kernels.sparse_mla_decode.triton_kernel import _load_rows, _pv, _split4
 from openmla.quant.e4m3 import e4m3_to_f16
 from openmla.quant.ue8m0 import ue8m0_to_f32
@@ -143,7 +142,7 @@ def _store_tile(p, b_o, m_h):
 def sparse_mla_decode_model1_kernel(
     q_ptr, cache_ptr, idx_ptr, len_ptr, xcache_ptr, xidx_ptr, xlen_ptr, sink_ptr,
     out_ptr, lse_ptr, po_ptr, plse_ptr,
-    H, TOPK, XTOPK, NUM_HB, NUM_SPLITS,
+    H, TOPK, XTOPK, XSTART, CHUNK, NUM_HB, NUM_SPLITS,
     num_slots, block_size, x_num_slots, x_block_size,
     stride_qt, stride_qh, stride_cb, stride_xb, stride_it, stride_xt, stride_ot, stride_oh,
     qk_scale,
@@ -192,20 +191,27 @@ def sparse_mla_decode_model1_kernel(
     b_or = tl.zeros([BLOCK_H, ROPE], tl.float32)
     b_r = tl.full([SCALE_BYTES], 2.0**-126, tl.float32)
 
-    # this split's part of the token's two lists: main positions [k_lo, m_hi), extra [x_lo, x_hi)
-    k_lo, m_hi, x_lo, x_hi = joined_split_range(len_ptr, xlen_ptr, i_t, i_s, TOPK, XTOPK, NUM_SPLITS,
-                                                BLOCK_N, HAS_LEN, HAS_EXTRA, HAS_XLEN)
+    # this split's part [lo, hi) of the joined list: main positions [0, TOPK), extra from XSTART
+    k_lo = i_s * CHUNK
+    k_hi = k_lo + CHUNK
+    n_main = TOPK
+    if HAS_LEN:
+        n_main = tl.minimum(tl.maximum(tl.load(len_ptr + i_t), 0), TOPK)
     b_m, b_l, b_r, b_o0, b_o1, b_o2, b_o3, b_o4, b_o5, b_o6, b_or = _attend(
         b_m, b_l, b_r, b_o0, b_o1, b_o2, b_o3, b_o4, b_o5, b_o6, b_or,
         b_q0, b_q1, b_q2, b_q3, b_q4, b_q5, b_q6, b_qr, b_fq, qk_scale,
-        idx_ptr + i_t64 * stride_it, k_lo, m_hi,
+        idx_ptr + i_t64 * stride_it, k_lo, tl.minimum(k_hi, n_main),
         cache_ptr, num_slots, block_size, stride_cb,
         E4M3, BLOCK_N, TILE, NT, ROPE, REC, ROPE_OFF, SCALE_BYTES)
     if HAS_EXTRA:
+        n_extra = XTOPK
+        if HAS_XLEN:
+            n_extra = tl.minimum(tl.maximum(tl.load(xlen_ptr + i_t), 0), XTOPK)
         b_m, b_l, b_r, b_o0, b_o1, b_o2, b_o3, b_o4, b_o5, b_o6, b_or = _attend(
             b_m, b_l, b_r, b_o0, b_o1, b_o2, b_o3, b_o4, b_o5, b_o6, b_or,
             b_q0, b_q1, b_q2, b_q3, b_q4, b_q5, b_q6, b_qr, b_fq, qk_scale,
-            xidx_ptr + i_t64 * stride_xt, x_lo, x_hi,
+            xidx_ptr + i_t64 * stride_xt, tl.maximum(k_lo - XSTART, 0),
+            tl.minimum(k_hi - XSTART, n_extra),
             xcache_ptr, x_num_slots, x_block_size, stride_xb,
             E4M3, BLOCK_N, TILE, NT, ROPE, REC, ROPE_OFF, SCALE_BYTES)
 

@@ -294,10 +294,9 @@ def _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt, config, num
     """(launcher, grid, ints, constexprs, splits) of a MODEL1 kernel: the Gluon kernel
     (sm90_model1.py) on Hopper, else the Triton kernel
     (model1_kernel.py); a pinned config (tests, sweeps) always means the Triton kernel. Both take the
-    same arguments; a program walks one split of the joined list: the main indices' blocks, then
-    the extra ones', dealt to the splits by each token's own lengths (shared.joined_split_range);
-    the split count is sized over the longest joined list (topk rounded up to BLOCK_N, plus the
-    extra topk) as for the fp8_ds_mla kernels (config.py)."""
+    same arguments; a program walks one split of the joined list: the main indices, then from
+    XSTART (topk rounded up to BLOCK_N) the extra ones; the splits are sized over that length as
+    for the fp8_ds_mla kernels (config.py)."""
     T, H, _ = q.shape
     topk = indices.shape[1]
     gluon = not config and _m1.usable(q, cache, extra_cache)
@@ -311,10 +310,10 @@ def _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt, config, num
     xtopk = extra_indices.shape[1] if extra_cache is not None else 0
     xstart = triton.cdiv(topk, block_n) * block_n
     joined = xstart + xtopk if xtopk else topk
-    _, num_splits = _splits(T, num_hb, joined, cfg, num_splits, num_sms(q.device))
+    chunk, num_splits = _splits(T, num_hb, joined, cfg, num_splits, num_sms(q.device))
     nb, bs = cache.shape[:2]
     xnb, xbs = extra_cache.shape[:2] if xtopk else (1, 1)
-    ints = (H, topk, xtopk, num_hb, num_splits, nb * bs, bs, xnb * xbs, xbs)
+    ints = (H, topk, xtopk, xstart, chunk, num_hb, num_splits, nb * bs, bs, xnb * xbs, xbs)
     consts = dict(E4M3=arch_of(q.device).e4m3, HAS_EXTRA=xtopk > 0, SPLIT=num_splits > 1,
                   BLOCK_H=block_h, BLOCK_N=block_n, TILE=fmt.tile_size, NT=fmt.num_tiles,
                   ROPE=fmt.rope_dim, REC=fmt.record_bytes, ROPE_OFF=fmt.rope_offset,

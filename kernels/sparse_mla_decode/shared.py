@@ -44,34 +44,6 @@ def split_range(len_ptr, i_t, i_s, TOPK, CHUNK, n_splits, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def joined_split_range(len_ptr, xlen_ptr, i_t, i_s, TOPK, XTOPK, NUM_SPLITS, BLOCK_N: tl.constexpr,
-                       HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_XLEN: tl.constexpr):
-    """(k_lo, m_hi, x_lo, x_hi): split i_s's part of token i_t's two lists (MODEL1 with an extra
-    cache), main positions [k_lo, m_hi) and extra ones [x_lo, x_hi) (empty where hi <= lo). The
-    token's blocks, cdiv(n_main, BLOCK_N) main ones then cdiv(n_extra, BLOCK_N) extra ones (n_* its
-    lengths, cut at topk_length / extra_topk_length), are dealt to the NUM_SPLITS splits in equal
-    runs, so shorter lists keep every split busy (no block straddles the two lists)."""
-    n_main = TOPK
-    if HAS_LEN:
-        n_main = tl.minimum(tl.maximum(tl.load(len_ptr + i_t), 0), TOPK)
-    n_extra = n_main * 0
-    if HAS_EXTRA:
-        n_extra = XTOPK + n_extra
-        if HAS_XLEN:
-            n_extra = tl.minimum(tl.maximum(tl.load(xlen_ptr + i_t), 0), XTOPK)
-    nbm = (n_main + BLOCK_N - 1) // BLOCK_N
-    nb = nbm + (n_extra + BLOCK_N - 1) // BLOCK_N
-    per = (nb + NUM_SPLITS - 1) // NUM_SPLITS
-    b_lo = i_s * per
-    b_hi = tl.minimum(b_lo + per, nb)
-    k_lo = b_lo * BLOCK_N
-    m_hi = tl.minimum(b_hi * BLOCK_N, n_main)
-    x_lo = tl.maximum(b_lo - nbm, 0) * BLOCK_N
-    x_hi = tl.minimum(tl.maximum(b_hi - nbm, 0) * BLOCK_N, n_extra)
-    return k_lo, m_hi, x_lo, x_hi
-
-
-@triton.jit
 def sink_factor(sink_ptr, o_h, m_h, b_lse):
     """exp(lse) / (exp(lse) + exp(sink)) per head; 0 for an empty row (lse = -inf), any sink;
     NaN for a NaN lse."""

@@ -3,7 +3,7 @@ Gluon.
 
 Same arguments and outputs as `sparse_mla_decode_model1_kernel` (kernels/sparse_mla_decode/
 model1_kernel.py: one token, a head block and one split of the joined index list per program, the
-main list's blocks then the extra cache's; partial (out, lse) merged by the same merge kernel;
+main list then from XSTART the extra cache's; partial (out, lse) merged by the same merge kernel;
 the sink applied once). The partition is the fp8_ds_mla Gluon kernel's (sm90.py): a producer
 warpgroup gathers and converts a block of 64 keys into a shared stage, a score warpgroup computes
 the scores, the softmax and O[:, 0:256], a value warpgroup O[:, 256:512].
@@ -65,7 +65,6 @@ if _GLUON:
 
     _finish_rows = gluon.jit(_dm.finish_rows.fn)
     _keep_faults = gluon.jit(_dm.keep_faults.fn)
-    _joined_split_range = gluon.jit(_dm.joined_split_range.fn)
     _sink_factor = gluon.jit(_dm.sink_factor.fn)
     _ue8m0_to_f32 = gluon.jit(_ue8m0.ue8m0_to_f32.fn)
     _fp8_to_f16 = _v32._fp8_to_f16
@@ -270,7 +269,7 @@ if _GLUON:
     def sparse_mla_decode_sm90_model1_kernel(
         q_ptr, cache_ptr, idx_ptr, len_ptr, xcache_ptr, xidx_ptr, xlen_ptr, sink_ptr,
         out_ptr, lse_ptr, po_ptr, plse_ptr,
-        H, TOPK, XTOPK, NUM_HB, NUM_SPLITS,
+        H, TOPK, XTOPK, XSTART, CHUNK, NUM_HB, NUM_SPLITS,
         num_slots, block_size, x_num_slots, x_block_size,
         stride_qt, stride_qh, stride_cb, stride_xb, stride_it, stride_xt, stride_ot, stride_oh,
         qk_scale,
@@ -291,12 +290,25 @@ if _GLUON:
         i_hb = i_p % NUM_HB
         i_t64 = i_t.to(gl.int64)
 
-        # this split's part of the token's two lists (shared.joined_split_range): main positions
-        # [k_lo, m_hi), extra ones [x_lo, x_hi), whole blocks of each (no block straddles them)
-        k_lo, m_hi, x_lo, x_hi = _joined_split_range(len_ptr, xlen_ptr, i_t, i_s, TOPK, XTOPK, NUM_SPLITS,
-                                                     BLOCK_N, HAS_LEN, HAS_EXTRA, HAS_XLEN)
+        # this split's part [k_lo, k_lo + CHUNK) of the joined list: main positions [0, n_main),
+        # extra ones from XSTART (a multiple of BLOCK_N: no block straddles the two lists)
+        k_lo = i_s * CHUNK
+        k_hi = k_lo + CHUNK
+        n_main = TOPK
+        if HAS_LEN:
+            n_main = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
+        m_hi = gl.minimum(k_hi, n_main)
         nm = gl.cdiv(gl.maximum(m_hi - k_lo, 0), BLOCK_N)
-        nx = gl.cdiv(gl.maximum(x_hi - x_lo, 0), BLOCK_N)
+        x_lo = k_lo * 0
+        x_hi = k_lo * 0
+        nx = k_lo * 0
+        if HAS_EXTRA:
+            n_extra = XTOPK
+            if HAS_XLEN:
+                n_extra = gl.minimum(gl.maximum(gl.load(xlen_ptr + i_t), 0), XTOPK)
+            x_lo = gl.maximum(k_lo - XSTART, 0)
+            x_hi = gl.minimum(k_hi - XSTART, n_extra)
+            nx = gl.cdiv(gl.maximum(x_hi - x_lo, 0), BLOCK_N)
         n_blk = nm + nx
 
         s_q = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], SH16)

@@ -206,10 +206,8 @@ def test_forced_splits(num_splits):
 @pytest.mark.parametrize("H", [64, 128])
 def test_forced_splits_64_head_blocks(num_splits, H):
     """The 64-head, 64-key blocks of the Gluon kernel (Hopper; the Triton kernel's 32-head blocks
-    elsewhere), the blocks dealt to the splits by each token's lengths: a split holding the main
-    list's last block and the extra list's first, more splits than a token has blocks (empty
-    splits), lengths cutting a block, a token with no main entries, a sink, in the merge and in the
-    one-split epilogue."""
+    elsewhere): splits that straddle the two lists (XSTART = 192), splits the lengths leave empty,
+    lengths cutting a block, a sink, in the merge and in the one-split epilogue."""
     T = 3
     q, cache, idx, kw = make_case(T, H, 150, 40, 64, (200, 300, 2), seed=num_splits + H, q_mul=2.0)
     kw.update(topk_length=lengths([150, 9, 0]), extra_topk_length=lengths([131, 200, 70]))
