@@ -345,6 +345,103 @@ def _install_interpreter_fixes() -> None:
     _expect(autotuner.Autotuner, "_bench", ["self", "args", "config", "meta"])
     autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
 
+    _install_interpreter_speedups(tl, interp)
+
+
+def _install_interpreter_speedups(tl, interp) -> None:
+    """Two pure speed-ups of Triton 3.6's interpreter; what the kernels compute is unchanged.
+
+    * Every call of a @triton.jit device function (and every element a tl.reduce / argmax-style
+      combine function folds, one call each) re-ran _patch_lang: inspect.getmembers over
+      triton.language, its tensor and math modules to wrap each builtin, which after the
+      kernel launch's own patch finds nothing left to wrap and re-sets equivalent attributes.
+      That was ~25 % of an interpreted test's time. Within one launch the patch now runs once per
+      set of language modules a function sees (the launch's own scope still restores it all).
+    * _get_np_dtype built its 17-entry dict on every call (~0.25 M calls in a big test): the
+      answer for each scalar dtype is now remembered.
+    """
+    import inspect as _inspect
+
+    orig_patch_lang = _expect(interp, "_patch_lang", ["fn"])
+    orig_grid_call = _expect(interp.GridExecutor, "__call__", ["self", "args_dev", "kwargs"])
+    assert hasattr(interp, "_LangPatchScope"), "tests/conftest.py: interpreter._LangPatchScope is gone"
+    langs_of = (tl, tl.core)
+    state = {"patched": None}  # ids of the language modules patched in the running launch
+
+    def grid_call(self, *args_dev, **kwargs):
+        outer = state["patched"]
+        state["patched"] = set()
+        try:
+            return orig_grid_call(self, *args_dev, **kwargs)
+        finally:
+            state["patched"] = outer
+
+    def patch_lang(fn):
+        patched = state["patched"]
+        langs = {id(v) for v in fn.__globals__.values() if _inspect.ismodule(v) and v in langs_of}
+        if patched is None:  # outside a launch: as shipped
+            return orig_patch_lang(fn)
+        if langs and langs <= patched:  # already patched in this launch: nothing to do
+            return interp._LangPatchScope()
+        scope = orig_patch_lang(fn)
+        patched |= langs
+        return scope
+
+    interp.GridExecutor.__call__ = grid_call
+    interp._patch_lang = patch_lang
+
+    orig_np_dtype = _expect(interp, "_get_np_dtype", ["tt_dtype"])
+    u64, scalar_np = np.dtype(np.uint64), {}
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return u64
+        if isinstance(tt_dtype, tl.block_type):
+            if isinstance(tt_dtype.element_ty, tl.pointer_type):
+                return u64
+            tt_dtype = tt_dtype.element_ty
+        got = scalar_np.get(tt_dtype)
+        if got is None:
+            got = scalar_np[tt_dtype] = orig_np_dtype(tt_dtype)
+        return got
+
+    interp._get_np_dtype = get_np_dtype
+
+    # tl.reduce with a combine function the interpreter does not know folds element by element in
+    # Python (generic_reduce: a device-function call per element). The NaN-propagating max of
+    # quant/ (_max_nan: tl.maximum(a, b, propagate_nan=ALL), the interpreter's np.maximum) over
+    # native float data is folded here with the same np.maximum, in the same order along the
+    # axis, a whole slice at a time: the same bits (tests/test_interpreter.py compares them).
+    orig_apply = _expect(interp.ReduceOps, "apply_impl", ["self", "input"])
+    nan_max_combines = {("openmla.quant.int8", "_max_nan"), ("openmla.quant.mla_writer", "_max_nan")}
+
+    def fold_nan_max(self, input):
+        original_axis = self.axis
+        (x,), axis = self.unravel(input, self.axis)
+        data = x.handle.data
+        acc = np.take(data, 0, axis=axis)
+        for i in range(1, data.shape[axis]):
+            acc = np.maximum(acc, np.take(data, i, axis=axis))
+        acc = np.asarray(acc, dtype=data.dtype)
+        if self.keep_dims:  # as generic_reduce packs its result
+            if original_axis is not None:
+                acc = np.expand_dims(acc, axis)
+            else:
+                for _ in range(data.ndim):
+                    acc = np.expand_dims(acc, 0)
+        elif original_axis is None:
+            acc = acc.item()
+        return [self.to_tensor(acc, input[0].dtype)]
+
+    def apply_impl(self, input):
+        fn = getattr(self.combine_fn, "fn", None)
+        if (len(input) == 1 and (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) in nan_max_combines
+                and input[0].handle.data.dtype.kind == "f"):
+            return fold_nan_max(self, input)
+        return orig_apply(self, input)
+
+    interp.ReduceOps.apply_impl = apply_impl
+
 
 if INTERPRET:
     import triton

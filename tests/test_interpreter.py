@@ -1,8 +1,8 @@
 """Each correction tests/conftest.py makes to Triton's interpreter, proven against torch.
 
 Under TRITON_INTERPRET=1 these tests check the patched interpreter; with OPENMLA_NO_INTERP_FIX=1
-as well (the interpreter as shipped) every test here fails except the two marked "guard", which
-hold as shipped and pin behaviour the corrections must keep. On a GPU (TRITON_INTERPRET unset)
+as well (the interpreter as shipped) every test here fails except the three marked "guard", which
+hold as shipped and pin behaviour the corrections (and the speed-ups) must keep. On a GPU (TRITON_INTERPRET unset)
 the same tests check the real compiler against the same oracles: that is what makes them the
 reference for what the interpreter must compute.
 
@@ -422,3 +422,62 @@ def test_autotune_with_two_configs_runs_and_prunes():
     assert _prune_reversed.calls == [[64, 128]]
     if INTERPRET:  # the interpreter takes the first config left by the prune function
         assert _autotuned_kernel.best_config.kwargs == {"BLOCK": 128}
+
+
+# ---------------------------------------------------------------------------------------------
+# speed-ups (tests/conftest.py, _install_interpreter_speedups): guards, right as shipped too
+# ---------------------------------------------------------------------------------------------
+def _nan_max_inputs():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 64, generator=g) * 3
+    x[1, 5] = float("nan")
+    x[2, 0], x[2, 63] = float("inf"), float("-inf")
+    x[3] = -x[3].abs()  # an all-negative row
+    x[4] = 0.0
+    x[4, ::2] = -0.0  # signed zeros: the fold order decides which one is kept
+    x[5, :] = float("nan")
+    x[:, 9] = float("nan")
+    x[6, 9] = 1.0
+    return x
+
+
+def test_nan_max_reduce_is_the_elementwise_fold_guard():
+    """quant's NaN-propagating tl.reduce combine (_max_nan), which conftest folds a slice at a
+    time: the same bits as the interpreter's per-element fold (generic_reduce), on rows and
+    columns, with NaN, +-inf, all-negative and signed-zero data; and it is torch.amax."""
+    from openmla.quant import int8, mla_writer
+    x = _nan_max_inputs()
+    for combine in (int8._max_nan, mla_writer._max_nan):
+        for axis, want in ((1, x.amax(1)), (0, x.amax(0))):
+            got = _reduce_max(x, axis, combine)
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+            if INTERPRET:
+                from triton.runtime import interpreter as interp
+                t = tl.core.tensor(interp.TensorHandle(x.numpy(), tl.float32), tl.block_type(tl.float32, list(x.shape)))
+                scope = interp._patch_lang(combine.fn)  # as a launch does
+                try:
+                    pairs = [(op.apply_impl((t,))[0], op.generic_reduce((t,))[0])
+                             for op in (interp.ReduceOps(axis, combine, keep) for keep in (False, True))]
+                finally:
+                    scope.restore()
+                for fast, slow in pairs:
+                    assert fast.handle.data.dtype == slow.handle.data.dtype
+                    assert fast.handle.data.tobytes() == slow.handle.data.tobytes(), axis
+
+
+@triton.jit
+def _reduce_max_kernel(x_ptr, y_ptr, combine: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+                       AXIS: tl.constexpr):
+    o_r, o_c = tl.arange(0, R), tl.arange(0, C)
+    b_x = tl.load(x_ptr + o_r[:, None] * C + o_c[None, :])
+    b_y = tl.reduce(b_x, AXIS, combine)
+    if AXIS == 1:
+        tl.store(y_ptr + o_r, b_y)
+    else:
+        tl.store(y_ptr + o_c, b_y)
+
+
+def _reduce_max(x, axis, combine):
+    y = torch.empty(x.shape[1 - axis], device=DEVICE)
+    _reduce_max_kernel[(1,)](x.to(DEVICE), y, combine, x.shape[0], x.shape[1], axis)
+    return y.cpu()
