@@ -5,7 +5,8 @@ things a dispatch looks at are real: dtypes, head counts, head sizes, page sizes
 optional inputs are given, and counts that decide split-K / split-KV (the CPU reports 8 SMs).
 
 `cases(full, arch)` yields (id, thunk): every class with full=True (the cross-products of head
-buckets, formats, flags and phases), else the default set (CORE, plus EXTRA on sm_80 and sm_90).
+buckets, formats, flags and phases), else the default set (CORE, plus EXTRA and SM90_EXTRA on
+sm_90).
 """
 from __future__ import annotations
 
@@ -266,18 +267,22 @@ def indexer_cases():
     yield "decode_topk-split", lambda: decode_topk(torch.zeros(2, 16384), _ints(2, hi=16384), 1, 2048,
                                                    row_programs=4)
 
-# The default set. CORE runs on every target: the code that differs between GPUs (each e4m3
-# path: decode, encode, fp8 and int8 caches; Gluon or Triton on sm_90; the configs with the most
+# The default set. CORE runs on every target and compiles every kernel of kernels/ and quant/
+# there (the Gluon ones on sm_90 only): the code that differs between GPUs (each e4m3 path:
+# decode, encode, fp8 and int8 caches; Gluon or Triton on sm_90; the configs with the most
 # shared memory, which the per-target budgets prune: 64-head prefill blocks, long-query MHA
-# tiles; NVIDIA-only options such as maxnreg) and the small kernels. EXTRA adds, on sm_80 and on
-# sm_90 (where it reaches the Gluon kernels CORE does not), the remaining kernels and branches
-# (the second decode config, 16-head prefill blocks, int8_qk, the bf16 MLA writer); SM90_EXTRA
-# the FlashMLA marker of flash_mla_with_kvcache's repeated calls. The full set (`full=True`)
-# runs every class on every target.
+# tiles; NVIDIA-only options such as maxnreg) and the small kernels. EXTRA adds, on sm_90 (where
+# it reaches the Gluon kernels CORE does not, and whose OPENMLA_SM90_GLUON=0 pass compiles the
+# Triton kernels of the same classes), the remaining branches (the second decode config, 16- and
+# 32-head prefill blocks, int8_qk, sinks + window, varlen); SM90_EXTRA the FlashMLA marker of
+# flash_mla_with_kvcache's repeated calls. EXTRA also ran on sm_80 until 2026-11-28: the same
+# Triton kernels and branches as sm_90's second pass, with no config at a shared-memory limit
+# (CORE holds those) - it runs there in the full set. The full set (`full=True`, the aot_full
+# marker) runs every class on every target.
 CORE = (
     "decode-fp8_ds_mla-H16-T1-len-sink-strided", "decode-fp8_model1-H64-T1-extra-len-sink",
     "prefill-H64-len-sink", "prefill-d512-H64-len-sink",
-    "write_mla_cache-fp8_ds_mla", "gather_upconvert", "write_model1_cache", "gather_upconvert-fp8_model1",
+    "write_mla_cache-fp8_ds_mla", "write_mla_cache-bf16", "gather_upconvert", "write_model1_cache", "gather_upconvert-fp8_model1",
     "paged-gqa4-d128-decode-bfloat16-fp8", "paged-gqa4-d128-prefill-bfloat16-same",
     "paged-gqa4-d128-decode-bfloat16-int8_qkv",
     "write_kv_cache-bfloat16-fp8", "write_kv_cache-float16-int8_qk",
@@ -287,11 +292,11 @@ CORE = (
 )
 EXTRA = (
     "prefill-H32",  # sm_90: the keys-on-M kernel with token flags and their passes (kv_row_faults, token_faults)
-    "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "decode-fp8_model1-H16-T64", "prefill-H16", "write_mla_cache-bf16",
+    "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "decode-fp8_model1-H16-T64", "prefill-H16",
     "paged-gqa4-d128-spec4-float16-int8_qk", "paged-mha-d64-sinks-window-prefill-bfloat16-same",
     "varlen-H16-Hkv16-D64",
 )
-EXTRA_ARCHES = ("sm_80", "sm_90")
+EXTRA_ARCHES = ("sm_90",)
 # sm_90 only: FlashMLA's +inf marker in the kernels a repeated flash_mla_with_kvcache call runs
 # (both Gluon kernels and, in the OPENMLA_SM90_GLUON=0 pass, the Triton kernel and the merge)
 SM90_EXTRA = ("flashmla_compat-H16-T1-len-sink-strided", "flashmla_compat-H16-T64", "flashmla_compat-H64-T64")

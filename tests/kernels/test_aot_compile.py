@@ -6,11 +6,15 @@ classes). A compile failure, a config whose shared memory exceeds the target's, 
 raises, a Gluon kernel picked off sm_90, or a kernel of kernels/ or quant/ that no case reaches
 fails the test.
 
-The default run (CORE classes on every target, EXTRA on sm_80 and sm_90, SM90_EXTRA on sm_90)
-takes about 7 CPU-minutes (3.7 minutes on 2 cores, 2026-11-25) and runs the targets in parallel,
-one per core. The full set (every shape class and every autotune candidate on every target) is
-marked aot_full and runs with
+The default run (CORE classes on every target; EXTRA and SM90_EXTRA on sm_90, where they reach
+the Gluon kernels CORE does not) takes about 6.5 CPU-minutes (3.4
+minutes on 2 idle cores; 6.3 minutes in the full suite beside the other xdist worker, 2026-11-28)
+and runs the targets in parallel, one per core (tests/conftest.py hands this file out first under
+pytest-xdist, so the other worker runs the rest of the suite meanwhile). The full set (every
+shape class and every autotune candidate on every target) is marked aot_full and runs with
     OPENMLA_AOT_FULL=1 python -m pytest tests/kernels/test_aot_compile.py -m aot_full
+Only there since 2026-11-28: EXTRA on sm_80 (the Triton kernels and branches that sm_90's
+OPENMLA_SM90_GLUON=0 pass compiles too, none at a shared-memory limit; see aot_cases.py).
 """
 from __future__ import annotations
 
