@@ -467,3 +467,28 @@ def _cpu_defaults_under_interpreter():
 def _seed_per_test(request):
     """Each test draws the same random data whichever tests run before it."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+# ----------------------------------------------------------------------------------------------
+# pytest-xdist (the README's `-n auto --dist loadfile`): hand the ahead-of-time compile module
+# out first. xdist hands out the files with the most tests first; that module has few tests, but
+# its fixture keeps both cores busy for minutes (one child process per core): handed out late,
+# it ran alone at the end of the run while the other worker sat idle.
+# ----------------------------------------------------------------------------------------------
+FIRST_FILES = ("tests/kernels/test_aot_compile.py",)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FirstFilesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            for scope in reversed(FIRST_FILES):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return FirstFilesFirst(config, log)
