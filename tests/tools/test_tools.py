@@ -415,13 +415,14 @@ def test_bench_refuses_gpu_shapes_on_cpu(capsys):
 
 # ----------------------------------------------------------------------------------------------
 # docs
-def test_docs_regenerates_between_markers_and_keeps_the_rest(tmp_path, capsys):
+def test_docs_regenerates_between_markers_and_keeps_the_rest(tmp_path, capsys, default_sweep):
     d = tmp_path / "docs"
     (d / "bench").mkdir(parents=True)
     (d / "accuracy").mkdir()
     shutil.copy(os.path.join(REPO, "docs/bench/h200-2026-11-22-all.json"), d / "bench/run-a.json")
     shutil.copy(os.path.join(REPO, "docs/bench/h200-2026-11-22-paged-baseline.json"), d / "bench/run-b.json")
-    assert sweep.main(["--family", "mha", "--data", "gaussian", "--out", str(d / "accuracy/cpu.json")]) == 0
+    # the accuracy JSON: the module's default sweep run (sweep.main's --out file, as written)
+    (d / "accuracy/cpu.json").write_text(json.dumps(default_sweep[1]))
     before = "# Benchmarks\n\nHand-written intro.\n\n<!-- generated:bench/run-a -->\nstale table\n" \
              "<!-- /generated -->\n\nHand-written commentary | with a pipe.\n"
     (d / "benchmarks.md").write_text(before)
@@ -448,7 +449,8 @@ def test_docs_regenerates_between_markers_and_keeps_the_rest(tmp_path, capsys):
     assert acc.startswith(docs.ACCURACY_INTRO)
     with open(d / "accuracy/cpu.json") as f:
         assert sweep.report(json.load(f)).rstrip() in acc
-    assert "Command: `python tools/sweep.py --family mha --data gaussian --out" in acc
+    assert f"Command: `{default_sweep[1]['command']}`" in acc
+    assert default_sweep[1]["command"].startswith("python tools/sweep.py --out ")
 
     capsys.readouterr()
     assert docs.main(["--docs", str(d), "--check"]) == 0 and docs.main(["--docs", str(d)]) == 0
