@@ -107,11 +107,11 @@ def _splits(device, batch: int, tiles: int, waves: int) -> int:
 
 
 def _tma_config(batch: int, next_n: int):
-    """(num_stages, waves) of the TMA path by the batch's query rows: the best of a sweep of
-    3 / 4 / 6 stages x 2 / 4 / 8 / 16 waves (docs/notes/indexer.md); batch 64 with one row a
-    request wants many small programs, two rows a request (a dot twice as wide) fewer."""
+    """(num_stages, waves) of the TMA path by the batch's query rows: the best of sweeps of
+    2 / 3 / 4 / 6 stages x 2 / 4 / 8 / 16 (/ 32) waves (docs/notes/indexer.md); batch 64 with one
+    row a request wants many small programs, two rows a request (a dot twice as wide) fewer."""
     rows = batch * next_n
-    if rows < 16:
+    if rows < 8:
         return 3, 4
     if rows >= 64 and next_n == 1:
         return 6, 16
