@@ -22,7 +22,8 @@ A NaN byte (e4m3 0x7f / 0xff) or a NaN scale byte (255) gives a NaN K element, a
 NaN row, as in every kernel (kernels/softmax.py).
 
 Shared memory: q [64, 512] bf16 64 KB + two K stages [64, 512] bf16 128 KB + P hi / lo [64, 64]
-bf16 16 KB = 209 KB: one program per SM, 12 warps.
+bf16 16 KB = 209 KB: one program per SM, 12 warps. After the last block's scores the q buffer
+stages the output (`stage_out`: 16-byte stores of bf16 rows).
 """
 from __future__ import annotations
 
@@ -46,6 +47,13 @@ NUM_WARPS = 4  # the score warpgroup (and prologue); the value and producer warp
 OCCUPANCY = 1  # programs per SM, for the split rule
 V_REGS = 160  # registers of the value warpgroup (O[:, 256:] alone is 128)
 P_REGS = 120  # registers of the producer (a block's 576 bytes a key in flight); the score warpgroup gets the rest (224)
+
+
+def stage_out(H: int, num_splits: int) -> bool:
+    """Whether the epilogue stores the bf16 output through shared memory (16-byte stores): measured
+    2-8 % faster at 64 and 128 heads, 2-3 % slower at 16 (most rows of the block are padding), not
+    measured on fp32 partials (split rows keep the direct stores); docs/notes/sparse_mla_decode.md."""
+    return num_splits == 1 and H > 32
 
 
 def usable(q: torch.Tensor, cache: torch.Tensor, extra_cache=None) -> bool:
@@ -162,7 +170,7 @@ if _GLUON:
     def _scores(q_ptr, stride_qt, stride_qh, s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree, done,
                 n_blk, qk_scale, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H,
                 NUM_SPLITS, stride_ot, stride_oh, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, VT: gl.constexpr):
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, VT: gl.constexpr, STAGE_OUT: gl.constexpr):
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, VT, 16])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
@@ -231,17 +239,17 @@ if _GLUON:
         # its previous block, which the pfree wait of the last block saw
         s_f.index(n_blk % 2).store(b_inv)
         mbarrier.arrive(done)
-        _store_tiles(b_o0, b_o1, 0, gl.convert_layout(b_inv, ROW_O), out_ptr, po_ptr, i_t64, i_hb, i_s, H,
-                     NUM_SPLITS, stride_ot, stride_oh, SPLIT, BLOCK_H, VT, O_L)
+        _store_tiles(b_o0, b_o1, 0, gl.convert_layout(b_inv, ROW_O), s_q, out_ptr, po_ptr, i_t64, i_hb, i_s,
+                     H, NUM_SPLITS, stride_ot, stride_oh, SPLIT, BLOCK_H, VT, O_L, STAGE_OUT)
         if SPLIT:
             gl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_hs, b_lse, mask=m_hs)
         else:
             gl.store(lse_ptr + i_t64 * H + o_hs, b_lse, mask=m_hs)
 
     @gluon.jit
-    def _values(s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
+    def _values(s_q, s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
                 out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
-                SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, VT: gl.constexpr):
+                SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, VT: gl.constexpr, STAGE_OUT: gl.constexpr):
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, VT, 16])
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         b_o2 = gl.zeros([BLOCK_H, VT], gl.float32, O_L)
@@ -262,8 +270,8 @@ if _GLUON:
             mbarrier.arrive(empty.index(buf))
         mbarrier.wait(done, 0)
         inv = s_f.index(n_blk % 2).load(ROW_O)
-        _store_tiles(b_o2, b_o3, 2, inv, out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot,
-                     stride_oh, SPLIT, BLOCK_H, VT, O_L)
+        _store_tiles(b_o2, b_o3, 2, inv, s_q, out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot,
+                     stride_oh, SPLIT, BLOCK_H, VT, O_L, STAGE_OUT)
 
     @gluon.jit
     def sparse_mla_decode_sm90_model1_kernel(
@@ -276,7 +284,7 @@ if _GLUON:
         E4M3: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
         HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         TILE: gl.constexpr, NT: gl.constexpr, ROPE: gl.constexpr, REC: gl.constexpr,
-        ROPE_OFF: gl.constexpr, SCALE_BYTES: gl.constexpr,
+        ROPE_OFF: gl.constexpr, SCALE_BYTES: gl.constexpr, STAGE_OUT: gl.constexpr,
     ):
         gl.static_assert(NT * TILE + ROPE == 512)  # d_qk = d_v = 512: four 128-wide output tiles
         D: gl.constexpr = NT * TILE + ROPE
@@ -324,10 +332,10 @@ if _GLUON:
         gl.warp_specialize(
             [(_scores, (q_ptr, stride_qt, stride_qh, s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree,
                         done, n_blk, qk_scale, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
-                        stride_ot, stride_oh, HAS_SINK, SPLIT, BLOCK_H, BLOCK_N, VT)),
-             (_values, (s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
+                        stride_ot, stride_oh, HAS_SINK, SPLIT, BLOCK_H, BLOCK_N, VT, STAGE_OUT)),
+             (_values, (s_q, s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
                         out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
-                        SPLIT, BLOCK_H, VT)),
+                        SPLIT, BLOCK_H, VT, STAGE_OUT)),
              (_producer, (cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
                           num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
                           s_k, s_ok, full, empty, HAS_EXTRA, BLOCK_N, TILE, NT, ROPE, REC, ROPE_OFF,

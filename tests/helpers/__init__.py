@@ -274,7 +274,8 @@ with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
 regs, stack = map(int, re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups())
 print(json.dumps(dict(shared=k.metadata.shared, regs=regs, stack=stack, hgmma=sass.count("HGMMA"),
                       ldgsts128=sass.count("LDGSTS.E.BYPASS.128"), ldgsts=sass.count("LDGSTS"),
-                      ldg128=len(re.findall(r"LDG\\.E[.A-Z0-9_]*\\.128", sass)))))
+                      ldg128=len(re.findall(r"LDG\\.E[.A-Z0-9_]*\\.128", sass)),
+                      stg128=len(re.findall(r"STG\\.E[.A-Z0-9_]*\\.128", sass)))))
 """
 
 

@@ -237,23 +237,30 @@ def test_hopper_dispatch(H):
 
 
 @pytest.mark.skipif(not sm90_model1._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
-@pytest.mark.parametrize("extra", [False, True])
-def test_sm90_model1_kernel_compiles(extra):
+@pytest.mark.parametrize("extra,split", [(False, True), (True, True), (False, False)],
+                         ids=["split", "extra-split", "staged-out"])
+def test_sm90_model1_kernel_compiles(extra, split):
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
     that breaks it, outgrows shared memory (227 KB; it uses 209 KB) or spills fails on the CPU
     too. Register split score 224 / value 160 / producer 120: no stack without the extra cache, 8
     bytes with it (the producer's second set of cache arguments); the producer at 112 spills 32-64
-    bytes, the score warpgroup at 216 (producer 128) 16."""
+    bytes, the score warpgroup at 216 (producer 128) 16. Unsplit rows at > 32 heads store their
+    bf16 output through shared memory (STAGE_OUT): 16-byte stores, none without it."""
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_decode.sm90_model1", "sparse_mla_decode_sm90_model1_kernel",
-        dict(E4M3=True, HAS_LEN=True, HAS_EXTRA=extra, HAS_XLEN=extra, HAS_SINK=True, SPLIT=True,
+        dict(E4M3=True, HAS_LEN=True, HAS_EXTRA=extra, HAS_XLEN=extra, HAS_SINK=True, SPLIT=split,
              BLOCK_H=sm90_model1.BLOCK_H, BLOCK_N=sm90_model1.BLOCK_N, TILE=64, NT=7, ROPE=64, REC=576,
-             ROPE_OFF=448, SCALE_BYTES=8),
+             ROPE_OFF=448, SCALE_BYTES=8, STAGE_OUT=not split),
         ["*bf16", "*u8", "*i32", "*i32", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"],
-        sm90_model1.NUM_WARPS)
-    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 8 * extra, got
+        sm90_model1.NUM_WARPS,
+        # the output's strides as a launch specializes them (multiples of 16: 16-byte stores)
+        named_ptrs=dict(stride_ot="i32", stride_oh="i32"))
+    # unsplit rows: 0 or 16 bytes of stack by the flags, with the direct stores as with the staged
+    # ones (HAS_LEN False / True: 16 / 0 direct, 0 / 16 staged; ptxas at the register split's edge)
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= (8 * extra if split else 16), got
     # wgmma; 16-byte gathers into registers (the bytes are converted before they reach shared memory)
     assert got["hgmma"] > 0 and got["ldg128"] > 0 and got["ldgsts"] == 0, got
+    assert (got["stg128"] > 0) == (not split), got
 
 
 def flashmla_case(b, s_q, H, lists, *, seed, zero_seqlen=False):
