@@ -165,45 +165,22 @@ if _GLUON:
         return full, empty, pfull, pfree, done
 
     @gluon.jit
-    def _store_tiles(b_oa, b_ob, T0: gl.constexpr, inv_o, s_q, out_ptr, po_ptr, i_t64, i_hb, i_s, H,
-                     NUM_SPLITS, stride_ot, stride_oh, SPLIT: gl.constexpr, BLOCK_H: gl.constexpr,
-                     TILE: gl.constexpr, O_L: gl.constexpr, STAGE: gl.constexpr):
+    def _store_tiles(b_oa, b_ob, T0: gl.constexpr, inv_o, out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
+                     stride_ot, stride_oh, SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, TILE: gl.constexpr,
+                     O_L: gl.constexpr):
         # output tiles T0 and T0 + 1 of this program's heads (partials when split)
-        if STAGE:
-            # bf16 out through shared memory, 16 contiguous bytes a thread (the wgmma layout's own
-            # stores are 8 bytes, 4 threads a row). The staging buffer is the 64 KB q buffer s_q:
-            # free once the last block's scores are done, which the score warpgroup signals with
-            # `done` before its epilogue and the value warpgroup waits for before its own; each
-            # takes half of it (T0 // 2). Where it pays: docs/notes/sparse_mla_decode.md.
-            gl.static_assert(not SPLIT)
-            SW: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-            GO: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-            stage = s_q._reinterpret(gl.float32, [2 * BLOCK_H, TILE], SW).slice((T0 // 2) * BLOCK_H, BLOCK_H)
-            o_hg = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GO))
-            o_dg = T0 * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, GO))
-            p_og = out_ptr + i_t64 * stride_ot + o_hg[:, None] * stride_oh + o_dg[None, :]
-            m_hg = (o_hg < H)[:, None]
-            ty = out_ptr.dtype.element_ty
-            stage.store(b_oa * inv_o[:, None])
-            gl.thread_barrier()
-            gl.store(p_og, stage.load(GO).to(ty), mask=m_hg)
-            gl.thread_barrier()
-            stage.store(b_ob * inv_o[:, None])
-            gl.thread_barrier()
-            gl.store(p_og + TILE, stage.load(GO).to(ty), mask=m_hg)
+        o_ho = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+        m_ho = (o_ho < H)[:, None]
+        o_d = T0 * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, O_L))
+        if SPLIT:
+            p_po = po_ptr + ((i_t64 * NUM_SPLITS + i_s) * H + o_ho)[:, None] * (4 * TILE) + o_d[None, :]
+            gl.store(p_po, b_oa * inv_o[:, None], mask=m_ho)
+            gl.store(p_po + TILE, b_ob * inv_o[:, None], mask=m_ho)
         else:
-            o_ho = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-            m_ho = (o_ho < H)[:, None]
-            o_d = T0 * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, O_L))
-            if SPLIT:
-                p_po = po_ptr + ((i_t64 * NUM_SPLITS + i_s) * H + o_ho)[:, None] * (4 * TILE) + o_d[None, :]
-                gl.store(p_po, b_oa * inv_o[:, None], mask=m_ho)
-                gl.store(p_po + TILE, b_ob * inv_o[:, None], mask=m_ho)
-            else:
-                p_o = out_ptr + i_t64 * stride_ot + o_ho[:, None] * stride_oh + o_d[None, :]
-                ty = out_ptr.dtype.element_ty
-                gl.store(p_o, (b_oa * inv_o[:, None]).to(ty), mask=m_ho)
-                gl.store(p_o + TILE, (b_ob * inv_o[:, None]).to(ty), mask=m_ho)
+            p_o = out_ptr + i_t64 * stride_ot + o_ho[:, None] * stride_oh + o_d[None, :]
+            ty = out_ptr.dtype.element_ty
+            gl.store(p_o, (b_oa * inv_o[:, None]).to(ty), mask=m_ho)
+            gl.store(p_o + TILE, (b_ob * inv_o[:, None]).to(ty), mask=m_ho)
 
 
     @gluon.jit
@@ -289,8 +266,8 @@ if _GLUON:
         # its previous block, which the pfree wait of the last block saw
         s_f.index(n_blk % 2).store(inv)
         mbarrier.arrive(done)
-        _store_tiles(b_o0, b_o1, 0, gl.convert_layout(inv, ROW_O), s_ql, out_ptr, po_ptr, i_t64, i_hb, i_s,
-                     H, NUM_SPLITS, stride_ot, stride_oh, SPLIT, BLOCK_H, TILE, O_L, False)
+        _store_tiles(b_o0, b_o1, 0, gl.convert_layout(inv, ROW_O), out_ptr, po_ptr, i_t64, i_hb, i_s, H,
+                     NUM_SPLITS, stride_ot, stride_oh, SPLIT, BLOCK_H, TILE, O_L)
         if SPLIT:
             gl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_hs, b_lse, mask=m_hs)
         else:
@@ -300,7 +277,7 @@ if _GLUON:
 
 
     @gluon.jit
-    def _values(s_ql, s_k16, s_kr, s_p3, s_f, empty, pfull, pfree, done, n_blk,
+    def _values(s_k16, s_kr, s_p3, s_f, empty, pfull, pfree, done, n_blk,
                 out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
                 SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr):
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
@@ -323,8 +300,8 @@ if _GLUON:
             mbarrier.arrive(empty.index(buf))
         mbarrier.wait(done, 0)
         inv = s_f.index(n_blk % 2).load(ROW_O)
-        _store_tiles(b_o2, b_o3, 2, inv, s_ql, out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot,
-                     stride_oh, SPLIT, BLOCK_H, TILE, O_L, False)
+        _store_tiles(b_o2, b_o3, 2, inv, out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot,
+                     stride_oh, SPLIT, BLOCK_H, TILE, O_L)
 
 
     @gluon.jit
@@ -385,7 +362,7 @@ if _GLUON:
             [(_scores, (s_ql, s_qr, s_k16, s_kr, s_sc, s_ok, s_p3, s_f, full, empty, pfull, pfree, done,
                         n_blk, b_fq, qk_scale, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
                         stride_ot, stride_oh, HAS_SINK, SPLIT, INF_EMPTY, BLOCK_H, BLOCK_N, TILE)),
-             (_values, (s_ql, s_k16, s_kr, s_p3, s_f, empty, pfull, pfree, done, n_blk,
+             (_values, (s_k16, s_kr, s_p3, s_f, empty, pfull, pfree, done, n_blk,
                         out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
                         SPLIT, BLOCK_H, BLOCK_N, TILE)),
              (_producer, (cache_ptr, p_idx, k_lo, k_hi, n_blk, num_slots, block_size, stride_cb, stride_cr,

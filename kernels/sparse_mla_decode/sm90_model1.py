@@ -80,6 +80,37 @@ if _GLUON:
     _barriers = _v32._barriers
 
     @gluon.jit
+    def _store_out(b_oa, b_ob, T0: gl.constexpr, inv_o, s_q, out_ptr, po_ptr, i_t64, i_hb, i_s, H,
+                   NUM_SPLITS, stride_ot, stride_oh, SPLIT: gl.constexpr, BLOCK_H: gl.constexpr,
+                   VT: gl.constexpr, O_L: gl.constexpr, STAGE_OUT: gl.constexpr):
+        # output tiles T0 and T0 + 1 of this program's heads: sm90.py's direct stores, or (STAGE_OUT,
+        # unsplit rows) bf16 rows through shared memory, 16 contiguous bytes a thread (the wgmma
+        # layout's own stores are 8 bytes, 4 threads a row). The staging buffer is the 64 KB q
+        # buffer s_q: free once the last block's scores are done, which the score warpgroup signals
+        # with `done` before its epilogue and the value warpgroup waits for before its own; each
+        # takes half of it (T0 // 2).
+        if STAGE_OUT:
+            gl.static_assert(not SPLIT)
+            SW: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+            GO: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+            stage = s_q._reinterpret(gl.float32, [2 * BLOCK_H, VT], SW).slice((T0 // 2) * BLOCK_H, BLOCK_H)
+            o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GO))
+            o_d = T0 * VT + gl.arange(0, VT, layout=gl.SliceLayout(0, GO))
+            p_o = out_ptr + i_t64 * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+            m_h = (o_h < H)[:, None]
+            ty = out_ptr.dtype.element_ty
+            stage.store(b_oa * inv_o[:, None])
+            gl.thread_barrier()
+            gl.store(p_o, stage.load(GO).to(ty), mask=m_h)
+            gl.thread_barrier()
+            stage.store(b_ob * inv_o[:, None])
+            gl.thread_barrier()
+            gl.store(p_o + VT, stage.load(GO).to(ty), mask=m_h)
+        else:
+            _store_tiles(b_oa, b_ob, T0, inv_o, out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot,
+                         stride_oh, SPLIT, BLOCK_H, VT, O_L)
+
+    @gluon.jit
     def _dequant(x, sb):
         # e4m3 bytes [N, TILE] times 2^(sb - 127) per row -> bf16, exact (see the module docstring)
         return (_fp8_to_f16(x).to(gl.float32) * _ue8m0_to_f32(sb)[:, None]).to(gl.bfloat16)
@@ -239,8 +270,8 @@ if _GLUON:
         # its previous block, which the pfree wait of the last block saw
         s_f.index(n_blk % 2).store(b_inv)
         mbarrier.arrive(done)
-        _store_tiles(b_o0, b_o1, 0, gl.convert_layout(b_inv, ROW_O), s_q, out_ptr, po_ptr, i_t64, i_hb, i_s,
-                     H, NUM_SPLITS, stride_ot, stride_oh, SPLIT, BLOCK_H, VT, O_L, STAGE_OUT)
+        _store_out(b_o0, b_o1, 0, gl.convert_layout(b_inv, ROW_O), s_q, out_ptr, po_ptr, i_t64, i_hb, i_s,
+                   H, NUM_SPLITS, stride_ot, stride_oh, SPLIT, BLOCK_H, VT, O_L, STAGE_OUT)
         if SPLIT:
             gl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_hs, b_lse, mask=m_hs)
         else:
@@ -270,8 +301,8 @@ if _GLUON:
             mbarrier.arrive(empty.index(buf))
         mbarrier.wait(done, 0)
         inv = s_f.index(n_blk % 2).load(ROW_O)
-        _store_tiles(b_o2, b_o3, 2, inv, s_q, out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot,
-                     stride_oh, SPLIT, BLOCK_H, VT, O_L, STAGE_OUT)
+        _store_out(b_o2, b_o3, 2, inv, s_q, out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot,
+                   stride_oh, SPLIT, BLOCK_H, VT, O_L, STAGE_OUT)
 
     @gluon.jit
     def sparse_mla_decode_sm90_model1_kernel(

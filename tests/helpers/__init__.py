@@ -285,7 +285,7 @@ def compile_gluon_sm90(module: str, name: str, const: dict, ptr_types: list, num
     shared memory, registers, spill stack and SASS counts (wgmma, cp.async). Gluon does not run
     in the interpreter, which also replaces jit functions in this process: a child compiles it.
     ptr_types: the types of the leading (pointer) arguments; named_ptrs: {argument: type} for
-    pointer arguments further on."""
+    arguments further on that a launch specializes as multiples of 16 (pointers, or int strides)."""
     import json
     import subprocess
     import sys
