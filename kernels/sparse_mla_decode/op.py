@@ -319,7 +319,7 @@ def _plan_model1(q, cache, indices, extra_cache, extra_indices, fmt, config, num
                   ROPE=fmt.rope_dim, REC=fmt.record_bytes, ROPE_OFF=fmt.rope_offset,
                   SCALE_BYTES=fmt.scale_stride)
     if gluon:
-        consts.update(num_warps=_m1.NUM_WARPS, STAGE_OUT=_m1.stage_out(H, num_splits))
+        consts.update(num_warps=_m1.NUM_WARPS, STAGE_OUT=_m1.stage_out(H, num_splits), ROLL=_m1.roll(H))
         return _M1_SM90, (T * num_hb, num_splits), ints, consts, num_splits
     consts.update(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):

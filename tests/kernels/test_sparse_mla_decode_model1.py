@@ -237,20 +237,23 @@ def test_hopper_dispatch(H):
 
 
 @pytest.mark.skipif(not sm90_model1._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
-@pytest.mark.parametrize("extra,split", [(False, True), (True, True), (False, False)],
-                         ids=["split", "extra-split", "staged-out"])
-def test_sm90_model1_kernel_compiles(extra, split):
+@pytest.mark.parametrize("extra,split,roll", [(False, True, False), (True, True, False), (False, False, False),
+                                              (True, True, True), (True, False, True)],
+                         ids=["split", "extra-split", "staged-out", "roll-extra-split", "roll-extra-staged"])
+def test_sm90_model1_kernel_compiles(extra, split, roll):
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
     that breaks it, outgrows shared memory (227 KB; it uses 209 KB) or spills fails on the CPU
     too. Register split score 224 / value 160 / producer 120: no stack without the extra cache, 8
     bytes with it (the producer's second set of cache arguments); the producer at 112 spills 32-64
     bytes, the score warpgroup at 216 (producer 128) 16. Unsplit rows at > 32 heads store their
-    bf16 output through shared memory (STAGE_OUT): 16-byte stores, none without it."""
+    bf16 output through shared memory (STAGE_OUT): 16-byte stores, none without it. At <= 64 heads
+    the producer is `_producer_roll` (ROLL): the rows as int32 words, converted by inline PTX, no
+    more stack than the other producer."""
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_decode.sm90_model1", "sparse_mla_decode_sm90_model1_kernel",
         dict(E4M3=True, HAS_LEN=True, HAS_EXTRA=extra, HAS_XLEN=extra, HAS_SINK=True, SPLIT=split,
              BLOCK_H=sm90_model1.BLOCK_H, BLOCK_N=sm90_model1.BLOCK_N, TILE=64, NT=7, ROPE=64, REC=576,
-             ROPE_OFF=448, SCALE_BYTES=8, STAGE_OUT=not split),
+             ROPE_OFF=448, SCALE_BYTES=8, STAGE_OUT=not split, ROLL=roll),
         ["*bf16", "*u8", "*i32", "*i32", "*u8", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"],
         sm90_model1.NUM_WARPS,
         # the output's strides as a launch specializes them (multiples of 16: 16-byte stores)
