@@ -251,6 +251,25 @@ if _GLUON:
         s32.slice(T * 2 * WT, 2 * WT, dim=1).store(gl.join(lo, hi).reshape([w.shape[0], 2 * WT]))
 
     @gluon.jit
+    def _first_half(i, iw, nm, cache_ptr, xcache_ptr, num_slots, block_size, stride_cb, x_num_slots,
+                    x_block_size, stride_xb, o_w, HAS_EXTRA: gl.constexpr, REC: gl.constexpr,
+                    SCALE_BYTES: gl.constexpr, WT: gl.constexpr):
+        # block i's pieces 0-3 and its keys' two scale words (iw: its slot numbers), issued and
+        # not waited for; and the slot count of its cache
+        c_ptr, slots, bs, scb = _geo(i, nm, cache_ptr, xcache_ptr, num_slots, block_size, stride_cb,
+                                     x_num_slots, x_block_size, stride_xb, HAS_EXTRA)
+        blk, tok, m_w = _rec(iw, c_ptr, slots, bs, scb)
+        p_w = (gl.multiple_of(blk + tok * REC, 16).to(gl.pointer_type(gl.int32)))[:, None] + o_w[None, :]
+        p_sw = (blk + bs * REC + tok * SCALE_BYTES).to(gl.pointer_type(gl.int32))
+        a0 = gl.load(p_w + 0 * WT, mask=m_w[:, None], other=0)
+        a1 = gl.load(p_w + 1 * WT, mask=m_w[:, None], other=0)
+        a2 = gl.load(p_w + 2 * WT, mask=m_w[:, None], other=0)
+        a3 = gl.load(p_w + 3 * WT, mask=m_w[:, None], other=0)
+        sw0 = gl.load(p_sw, mask=m_w, other=0)
+        sw1 = gl.load(p_sw + 1, mask=m_w, other=0)
+        return a0, a1, a2, a3, sw0, sw1, slots
+
+    @gluon.jit
     def _producer_roll(cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
                        num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
                        s_k, s_ok, full, empty, HAS_EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -278,17 +297,9 @@ if _GLUON:
         p_i, n_in = _list_pos(0, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, HAS_EXTRA, BLOCK_N)
         iw = gl.load(p_i + o_nw, mask=o_nw < n_in, other=-1)
         i_s = gl.load(p_i + o_ns, mask=o_ns < n_in, other=-1)
-        c_ptr, slots, bs, scb = _geo(0, nm, cache_ptr, xcache_ptr, num_slots, block_size, stride_cb,
-                                     x_num_slots, x_block_size, stride_xb, HAS_EXTRA)
-        blk, tok, m_w = _rec(iw, c_ptr, slots, bs, scb)
-        p_w = (gl.multiple_of(blk + tok * REC, 16).to(gl.pointer_type(gl.int32)))[:, None] + o_w[None, :]
-        p_sw = (blk + bs * REC + tok * SCALE_BYTES).to(gl.pointer_type(gl.int32))
-        a0 = gl.load(p_w + 0 * WT, mask=m_w[:, None], other=0)
-        a1 = gl.load(p_w + 1 * WT, mask=m_w[:, None], other=0)
-        a2 = gl.load(p_w + 2 * WT, mask=m_w[:, None], other=0)
-        a3 = gl.load(p_w + 3 * WT, mask=m_w[:, None], other=0)
-        sw0 = gl.load(p_sw, mask=m_w, other=0)
-        sw1 = gl.load(p_sw + 1, mask=m_w, other=0)
+        a0, a1, a2, a3, sw0, sw1, slots = _first_half(0, iw, nm, cache_ptr, xcache_ptr, num_slots, block_size,
+                                                      stride_cb, x_num_slots, x_block_size, stride_xb, o_w,
+                                                      HAS_EXTRA, REC, SCALE_BYTES, WT)
         m_s = (i_s >= 0) & (i_s < slots)
         p_i, n_in = _list_pos(1, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, HAS_EXTRA, BLOCK_N)
         jw = gl.load(p_i + o_nw, mask=o_nw < n_in, other=-1)
@@ -310,17 +321,9 @@ if _GLUON:
             _put_tile(sk, a1, sw0, 1, WT)
             _put_tile(sk, a2, sw0, 2, WT)
             _put_tile(sk, a3, sw0, 3, WT)
-            c_ptr, slots, bs, scb = _geo(i + 1, nm, cache_ptr, xcache_ptr, num_slots, block_size, stride_cb,
-                                         x_num_slots, x_block_size, stride_xb, HAS_EXTRA)
-            blk, tok, q_m = _rec(jw, c_ptr, slots, bs, scb)
-            q_w = (gl.multiple_of(blk + tok * REC, 16).to(gl.pointer_type(gl.int32)))[:, None] + o_w[None, :]
-            q_sw = (blk + bs * REC + tok * SCALE_BYTES).to(gl.pointer_type(gl.int32))
-            a0 = gl.load(q_w + 0 * WT, mask=q_m[:, None], other=0)
-            a1 = gl.load(q_w + 1 * WT, mask=q_m[:, None], other=0)
-            a2 = gl.load(q_w + 2 * WT, mask=q_m[:, None], other=0)
-            a3 = gl.load(q_w + 3 * WT, mask=q_m[:, None], other=0)
-            tw0 = gl.load(q_sw, mask=q_m, other=0)
-            tw1 = gl.load(q_sw + 1, mask=q_m, other=0)
+            a0, a1, a2, a3, tw0, tw1, slots = _first_half(i + 1, jw, nm, cache_ptr, xcache_ptr, num_slots,
+                                                          block_size, stride_cb, x_num_slots, x_block_size,
+                                                          stride_xb, o_w, HAS_EXTRA, REC, SCALE_BYTES, WT)
             m_n = (js >= 0) & (js < slots)
             _put_tile(sk, a4, sw1, 4, WT)
             _put_tile(sk, a5, sw1, 5, WT)
