@@ -247,8 +247,8 @@ def test_sm90_model1_kernel_compiles(extra, split, roll):
     bytes with it (the producer's second set of cache arguments); the producer at 112 spills 32-64
     bytes, the score warpgroup at 216 (producer 128) 16. Unsplit rows at > 32 heads store their
     bf16 output through shared memory (STAGE_OUT): 16-byte stores, none without it. At <= 64 heads
-    the producer is `_producer_roll` (ROLL): the rows as int32 words, converted by inline PTX, no
-    more stack than the other producer."""
+    the producer is `sm90_model1_gather.producer_roll` (ROLL): the rows as int32 words, converted by
+    inline PTX, no more stack than the other producer."""
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_decode.sm90_model1", "sparse_mla_decode_sm90_model1_kernel",
         dict(E4M3=True, HAS_LEN=True, HAS_EXTRA=extra, HAS_XLEN=extra, HAS_SINK=True, SPLIT=split,
