@@ -76,10 +76,10 @@ if _v32._GLUON:
 
     @gluon.jit
     def producer(cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
-                  num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
-                  s_k, s_ok, full, empty, HAS_EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
-                  TILE: gl.constexpr, NT: gl.constexpr, ROPE: gl.constexpr, REC: gl.constexpr, ROPE_OFF: gl.constexpr,
-                  SCALE_BYTES: gl.constexpr):
+                 num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
+                 s_k, s_ok, full, empty, HAS_EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
+                 TILE: gl.constexpr, NT: gl.constexpr, ROPE: gl.constexpr, REC: gl.constexpr, ROPE_OFF: gl.constexpr,
+                 SCALE_BYTES: gl.constexpr):
         GB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [keys, 64 bytes]
         GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [keys, 64 bf16]
         GS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -174,17 +174,18 @@ if _v32._GLUON:
 
     @gluon.jit
     def producer_roll(cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
-                       num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
-                       s_k, s_ok, full, empty, HAS_EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
-                       TILE: gl.constexpr, NT: gl.constexpr, ROPE: gl.constexpr, REC: gl.constexpr,
-                       ROPE_OFF: gl.constexpr, SCALE_BYTES: gl.constexpr):
-        # producer's stages with each gather in flight while half a block converts (`roll`): a
+                      num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
+                      s_k, s_ok, full, empty, HAS_EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
+                      TILE: gl.constexpr, NT: gl.constexpr, ROPE: gl.constexpr, REC: gl.constexpr,
+                      ROPE_OFF: gl.constexpr, SCALE_BYTES: gl.constexpr):
+        # `producer`'s stages with each gather in flight while half a block converts (`roll`): a
         # record is 9 pieces of 64 bytes, loaded as int32 words (a loop-carried byte tensor would
         # take a register a byte): e4m3 tiles 0-6, then the rope's two halves (stored as they are).
         # Iteration i loads block i's pieces 4-8, waits for the stage, converts pieces 0-3 (loaded
         # in iteration i - 1), loads block i + 1's pieces 0-3 and scale words, converts and stores
         # pieces 4-8, hands the stage over, and loads block i + 2's slot numbers. Loads past the
         # last block are masked off (no positions in the list).
+        # (the rope's 2 * ROPE bytes are the last two pieces of TILE bytes)
         gl.static_assert((NT == 7) & (SCALE_BYTES == 8) & (ROPE_OFF == NT * TILE) & (2 * ROPE == 2 * TILE))
         GW: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [keys, 16 words]
         GS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
