@@ -154,6 +154,15 @@ if _v32._GLUON:
         s32.slice(T * 2 * WT, 2 * WT, dim=1).store(gl.join(lo, hi).reshape([w.shape[0], 2 * WT]))
 
     @gluon.jit
+    def _slots(i, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, o_nw, o_ns, HAS_EXTRA: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+        # block i's slot numbers in the row layout of the word loads and one a thread (validity);
+        # -1 where a position is not in the list
+        p_i, n_in = _list_pos(i, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, HAS_EXTRA, BLOCK_N)
+        return (gl.load(p_i + o_nw, mask=o_nw < n_in, other=-1),
+                gl.load(p_i + o_ns, mask=o_ns < n_in, other=-1))
+
+    @gluon.jit
     def _first_half(i, iw, nm, cache_ptr, xcache_ptr, num_slots, block_size, stride_cb, x_num_slots,
                     x_block_size, stride_xb, o_w, HAS_EXTRA: gl.constexpr, REC: gl.constexpr,
                     SCALE_BYTES: gl.constexpr, WT: gl.constexpr):
@@ -196,18 +205,13 @@ if _v32._GLUON:
         o_w = gl.arange(0, WT, layout=gl.SliceLayout(0, GW))
         # the stages' bytes as words: the 128-byte swizzle moves 16-byte pieces, whatever the type
         s32 = s_k._reinterpret(gl.int32, [2, BLOCK_N, (NT * TILE + ROPE) // 2], SW32)
-        # block 0's slot numbers (in the row layout of the word loads, and one a thread for the
-        # validity bytes), pieces 0-3 and scale words; block 1's slot numbers
-        p_i, n_in = _list_pos(0, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, HAS_EXTRA, BLOCK_N)
-        iw = gl.load(p_i + o_nw, mask=o_nw < n_in, other=-1)
-        i_s = gl.load(p_i + o_ns, mask=o_ns < n_in, other=-1)
+        # block 0's slot numbers, pieces 0-3 and scale words; block 1's slot numbers
+        iw, i_s = _slots(0, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, o_nw, o_ns, HAS_EXTRA, BLOCK_N)
         a0, a1, a2, a3, sw0, sw1, slots = _first_half(0, iw, nm, cache_ptr, xcache_ptr, num_slots, block_size,
                                                       stride_cb, x_num_slots, x_block_size, stride_xb, o_w,
                                                       HAS_EXTRA, REC, SCALE_BYTES, WT)
         m_s = (i_s >= 0) & (i_s < slots)
-        p_i, n_in = _list_pos(1, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, HAS_EXTRA, BLOCK_N)
-        jw = gl.load(p_i + o_nw, mask=o_nw < n_in, other=-1)
-        js = gl.load(p_i + o_ns, mask=o_ns < n_in, other=-1)
+        jw, js = _slots(1, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, o_nw, o_ns, HAS_EXTRA, BLOCK_N)
         for i in range(n_blk):
             buf = i % 2
             c_ptr, slots, bs, scb = _geo(i, nm, cache_ptr, xcache_ptr, num_slots, block_size, stride_cb,
@@ -241,6 +245,4 @@ if _v32._GLUON:
             sw1 = tw1
             m_s = m_n
             iw = jw
-            p_i, n_in = _list_pos(i + 2, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, HAS_EXTRA, BLOCK_N)
-            jw = gl.load(p_i + o_nw, mask=o_nw < n_in, other=-1)
-            js = gl.load(p_i + o_ns, mask=o_ns < n_in, other=-1)
+            jw, js = _slots(i + 2, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, o_nw, o_ns, HAS_EXTRA, BLOCK_N)
