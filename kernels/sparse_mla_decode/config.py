@@ -78,16 +78,18 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
     Programs all run the same number of key blocks, so the GPU works in rounds of
     occupancy x SMs programs: a count just under a multiple of that round keeps every slot busy,
     one just over leaves a nearly empty last round that takes as long as a full one. Take the
-    largest split count up to WAVES rounds whose rounds are
-    at least MIN_FILL full, with at least MIN_STEPS key blocks per split; failing that, the
-    fullest."""
+    largest split count up to WAVES rounds (one for the Gluon kernels) whose rounds are
+    at least MIN_FILL full, with at least MIN_STEPS key blocks per split (the Triton kernels);
+    failing that, the fullest."""
     base = T * num_hb
     slots = cfg["occupancy"] * num_sms
     if cfg.get("one_round"):
-        # the Gluon kernel (one program per SM): fewer, longer splits within a single round, as
-        # each split pays the q prologue and a partial row for each of its 64 heads (the timings
-        # against the two-round rule: docs/notes/sparse_mla_decode.md)
-        most = max(1, min(slots // base, topk // (cfg.get("min_steps", MIN_STEPS) * cfg["BLOCK_N"])))
+        # the Gluon kernels (one program per SM): fewer, longer splits within a single round, as
+        # each split pays the q prologue and a partial row for each of its heads (the timings
+        # against the two-round rule: docs/notes/sparse_mla_decode.md); no floor on the blocks a
+        # split: where the tokens leave SMs idle (a batch of 1-8), a program's gathers are what
+        # bound it, and a split per SM down to one key block each is fastest
+        most = max(1, min(slots // base, triton.cdiv(topk, cfg["BLOCK_N"])))
     else:
         most = max(1, min(triton.cdiv(WAVES * slots, base), topk // (MIN_STEPS * cfg["BLOCK_N"])))
     best, best_fill = 1, 0.0

@@ -95,7 +95,7 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
                    one_round=True)
     elif kn:
         cfg = dict(BLOCK_H=_kn.block_h(H), BLOCK_N=_kn.BLOCK_N, occupancy=_kn.OCCUPANCY,
-                   one_round=True, min_steps=_kn.MIN_STEPS)
+                   one_round=True)
     else:
         cfg = _triton_config(q, H, config)
     block_h, num_hb = _head_blocks(cfg, H)

@@ -60,7 +60,6 @@ MAX_HEADS = 32
 BLOCK_N = 128  # keys per step: 64 per warpgroup (the wgmma M)
 NUM_WARPS = 8
 OCCUPANCY = 1
-MIN_STEPS = 4  # key blocks per split at least (the split rule's floor)
 
 
 def block_h(H: int) -> int:

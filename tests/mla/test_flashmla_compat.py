@@ -167,7 +167,7 @@ def test_decode_matches_oracle(b, s_q, h_q, topk, num_blocks, block_size, fp8, f
 
 
 REPEAT = [  # b, s_q, h_q, topk, fp8, split: whether 8 SMs split the top-k over programs (on every
-    # path: the Hopper Gluon kernel's 128-key blocks and 4-block floor split 1100 keys in two)
+    # path: the Hopper Gluon kernel's 128-key blocks split 1100 keys in three on 8 SMs)
     pytest.param(2, 2, 5, 19, True, False, id="fp8-one-split"),
     pytest.param(2, 1, 16, 1100, True, True, id="fp8-splits"),
     pytest.param(3, 1, 16, 40, False, False, id="bf16-one-split"),
