@@ -106,6 +106,9 @@ _DECODE_STANDARD = [
 _DECODE_HOST = [dict(cache="fp8", tokens=t, heads=h, topk=2048, slots=262144, block_size=64)
                 for t in (1, 32) for h in (16, 128)]
 _DECODE_SMALL = [dict(cache="fp8", tokens=4, heads=16, topk=128, slots=4096, block_size=64)]
+# small batches (1-16 tokens): the split rule's regime, where the tokens alone leave SMs idle
+_DECODE_BATCH = [dict(cache="fp8", tokens=t, heads=h, topk=2048, slots=262144, block_size=64)
+                 for t in (1, 2, 4, 8, 16) for h in (16, 32, 64, 128)]
 _decode_label = lambda p: f"{p['cache']}-T{p['tokens']}-H{p['heads']}-topk{p['topk']}"  # noqa: E731
 register(Op(
     name="sparse_mla_decode",
@@ -113,6 +116,7 @@ register(Op(
         "standard": _DECODE_STANDARD,
         "fp8": [p for p in _DECODE_STANDARD if _fmt(p).quantized],
         "host": _DECODE_HOST,
+        "batch": _DECODE_BATCH,
         "small": _DECODE_SMALL,
     },
     build=_decode_build, run=_decode_run, torch_ref=_decode_torch, error=_decode_error,

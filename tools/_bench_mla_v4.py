@@ -133,6 +133,8 @@ register(Op(
     shape_sets={
         "standard": _STANDARD + _SMALL_HEADS,
         "model1": [dict(_CONFIGS[c], tokens=2 * b, s_q=2) for c in _CONFIGS for b in (2, 64, 74, 128, 148, 256)],
+        # small batches: the split rule's regime (the tokens alone leave SMs idle)
+        "batch": [dict(_CONFIGS[c], tokens=2 * b, s_q=2) for c in (1, 2) for b in (1, 2, 4, 8)],
         "small": [dict(heads=16, topk=16, extra_topk=24, block_size=64, extra_block_size=2, extra_len=True,
                        tokens=4, s_q=2)],
     },

@@ -17,6 +17,7 @@ that autotuning picks.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -49,6 +50,11 @@ _REDUCE = FastLaunch(paged_attention_reduce_kernel)
 # Plans by call signature (module docstring); cleared when full (signatures that never repeat).
 _PLANS: dict = {}
 _MAX_PLANS = 4096
+_PLAN_IDS = itertools.count()  # each plan's number (`_Plan.pid`), never reused
+# The plan key of a call by the caller's checked call signature (paged.py's `_lookup`: each
+# tensor's type, dtype, shape, strides and device) and the call's other plan inputs: a repeated
+# call skips building the key (stride reads and a tuple of ~30 items, several microseconds).
+_BY_SIG: dict = {}
 
 
 class ScoreOptions(NamedTuple):
@@ -107,6 +113,7 @@ class _Plan(NamedTuple):
     reduce_ints: tuple  # the reduction's ints after its four pointers
     reduce_consts: dict
     flags: Optional[tuple]  # key_flags.py's pass: (bytes, grid, ints, constexprs), or None
+    pid: int  # a number no other plan has: it keys the plan's launches (cheaper than its key)
 
 
 def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms: int,
@@ -133,14 +140,29 @@ def launch_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, 
                  opts: ScoreOptions, *, layout: str, max_q: int, max_kv: int,
                  num_splits: Optional[int], k_scale: Optional[torch.Tensor],
                  v_scale: Optional[torch.Tensor], k_scale_cache: Optional[torch.Tensor],
-                 k_smooth: Optional[torch.Tensor], fmt: MHAFormat):
+                 k_smooth: Optional[torch.Tensor], fmt: MHAFormat, sig=None):
     """Run `paged_attention` on validated inputs: writes out (and lse when given).
     fmt: the caches' format (the kernel's IS_FP8, K_INT8, V_INT8 come from it). k_scale /
     v_scale: [1] fp32 for fp8 per tensor; for int8 K (int8_qk / int8_qkv) k_scale is None,
     k_scale_cache holds the per-token K scales and v_scale is None (int8_qk) or the per-channel
-    [H_kv, D] scale of an int8 V; None for bf16 / fp16 caches."""
+    [H_kv, D] scale of an int8 V; None for bf16 / fp16 caches.
+    sig: the tensor signature of the call's arguments (paged.py's `_lookup`), or None. With it,
+    out must be the caller's out (in sig) or, where that was None, a fresh contiguous
+    [T, H, D]; lse a fresh contiguous [T, H] or None; and the fp8 scales the caller's or fresh
+    [1] tensors: then sig fixes every shape, stride and dtype the plan's key reads."""
     device = q.device
     arch = arch_of(device)
+    skey = None
+    if sig is not None:
+        skey = (sig, arch, layout, lse is None, opts.causal, opts.window, opts.softcap > 0,
+                opts.alibi_sqrt, opts.sinks is None, opts.alibi_slopes is None, opts.scale < 0,
+                max_q, max_kv, num_splits, fmt.fp8_per_tensor, fmt.k_int8, fmt.v_int8)
+        key = _BY_SIG.get(skey)
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is not None:
+            _run(plan, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, opts,
+                 k_scale, v_scale, k_scale_cache, k_smooth)
+            return
     # Everything _make_plan reads, and the dtypes and strides the launch keys need (the
     # boundary fixed the other tensors' dtypes, v_cache's shape to k_cache's and
     # cu_seqlens_q's length to the table's rows + 1).
@@ -155,7 +177,11 @@ def launch_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, 
         keys = _KeySource.paged(k_cache, v_cache, block_table, layout)
         plan = _new_plan(key, q, keys, cu_seqlens_q, out, lse, opts, max_q, max_kv, num_splits,
                          v_scale, k_scale_cache, k_smooth, fmt, arch)
-    _run(plan, key, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, opts,
+    if skey is not None:
+        if len(_BY_SIG) >= _MAX_PLANS:
+            _BY_SIG.clear()
+        _BY_SIG[skey] = key
+    _run(plan, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, opts,
          k_scale, v_scale, k_scale_cache, k_smooth)
 
 
@@ -174,7 +200,7 @@ def launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, opts: ScoreOpti
         plan = _new_plan(key, q, _KeySource.rows(k, v), cu_seqlens_q, out, lse, opts, max_q,
                          max_kv, None, None, None, None, MHA_AUTO, arch)
     # the block-table pointer is never read for rows: cu_seqlens_q stands in
-    _run(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, out, lse, opts, None, None,
+    _run(plan, q, k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, out, lse, opts, None, None,
          None, None)
 
 
@@ -253,10 +279,10 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
                          BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d)
     return _Plan(grid, grid_fn, ints_a, ints_b, consts, splits, part_numel, lse_off, is_fp8,
                  v_int8, k_int8, is_fp8 and not arch.fp8_type, (T, triton.cdiv(H, block_h)),
-                 reduce_ints, reduce_consts, flags)
+                 reduce_ints, reduce_consts, flags, next(_PLAN_IDS))
 
 
-def _run(plan: _Plan, key, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: ScoreOptions,
+def _run(plan: _Plan, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: ScoreOptions,
          k_scale, v_scale, k_scale_cache, k_smooth):
     """The launches of one call: the plan's ints and constexprs with this call's pointers."""
     if plan.as_bytes:  # the kernel converts the bytes (quant/e4m3.py)
@@ -283,8 +309,8 @@ def _run(plan: _Plan, key, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: S
     args = (q, k, v, table, cu_seqlens_q, lens, alibi, sinks, ks, vs, ksc, ksm, kflags, o_ptr,
             l_ptr, *plan.ints_a, abs(opts.scale) * LOG2E, opts.softcap * LOG2E, *plan.ints_b)
     # The plan's key fixes every int argument, constexpr and tensor dtype of both launches; with
-    # every pointer 16-byte aligned (as the caching allocator gives them) it keys the launches
-    # too. Otherwise FastLaunch keys on the arguments themselves.
+    # every pointer 16-byte aligned (as the caching allocator gives them) the plan's number
+    # keys the launches. Otherwise FastLaunch keys on the arguments themselves.
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | table.data_ptr() | dummy.data_ptr()
                | lens.data_ptr() | alibi.data_ptr() | sinks.data_ptr() | ks.data_ptr()
                | vs.data_ptr() | ksc.data_ptr() | ksm.data_ptr() | out.data_ptr()
@@ -296,12 +322,12 @@ def _run(plan: _Plan, key, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: S
         # prune rule, so its BLOCK_M may differ from BLOCK_M_WANT
         paged_attention_kernel[plan.grid_fn](*args, **plan.consts)
     elif aligned:
-        _MAIN.keyed(key, plan.grid, *args, **plan.consts)
+        _MAIN.keyed(plan.pid, plan.grid, *args, **plan.consts)
     else:
         _MAIN(plan.grid, *args, **plan.consts)
     if split:
         rargs = (o_ptr, l_ptr, out, lse_arg, *plan.reduce_ints)
         if aligned:
-            _REDUCE.keyed(key, plan.reduce_grid, *rargs, **plan.reduce_consts)
+            _REDUCE.keyed(plan.pid, plan.reduce_grid, *rargs, **plan.reduce_consts)
         else:
             _REDUCE(plan.reduce_grid, *rargs, **plan.reduce_consts)

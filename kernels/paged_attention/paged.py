@@ -216,7 +216,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             launch_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, lse, opts,
                          layout=layout, max_q=max_q, max_kv=max_kv, num_splits=num_splits,
                          k_scale=scales[0], v_scale=scales[1], k_scale_cache=k_scale_cache,
-                         k_smooth=k_smooth, fmt=fmt)
+                         k_smooth=k_smooth, fmt=fmt, sig=sig)
     return (out, lse) if return_lse else out
 
 

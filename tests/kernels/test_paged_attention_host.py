@@ -97,6 +97,26 @@ def test_changed_strides_are_not_served_a_stale_plan(change, monkeypatch):
     assert len(pa_launch._PLANS) == 2
 
 
+def test_options_of_one_signature_each_get_their_plan(monkeypatch):
+    """One set of tensors called with other score options, split counts and outputs in turn, and
+    back: a repeated call finds its plan by the tensors' signature and the other plan inputs
+    (launch._BY_SIG), so each option must be one of them; every result matches the oracle."""
+    monkeypatch.setattr(pa_launch, "_PLANS", {})
+    monkeypatch.setattr(pa_launch, "_BY_SIG", {})
+    b = _batch(seed=4)
+    calls = [{}, {"num_splits": 3}, {"causal": False}, {"window": (5, 0)}, {"softcap": 2.0},
+             {"sinks": torch.randn(4, device=DEVICE)}, {"num_splits": 1}]
+    for kw in calls + calls[::-1]:
+        out, lse = paged_attention(**b, scale=SCALE, return_lse=True, **kw)
+        ref_kw = {k: v for k, v in kw.items() if k != "num_splits"}
+        want, want_lse = paged_attention_ref(**b, scale=SCALE, **ref_kw)
+        assert_close("out", out, want, "bf16")
+        assert_close("lse", lse, want_lse, "fp32")
+        alone = paged_attention(**b, scale=SCALE, **kw)  # no lse: another plan again
+        assert_close("out", alone, want, "bf16")
+    assert len(pa_launch._PLANS) == len(pa_launch._BY_SIG) == 2 * len(calls)
+
+
 # ---------------------------------------------------------------------------------------------
 # The checks of a repeated signature
 # ---------------------------------------------------------------------------------------------
