@@ -79,19 +79,23 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
     occupancy x SMs programs: a count just under a multiple of that round keeps every slot busy,
     one just over leaves a nearly empty last round that takes as long as a full one. Take the
     largest split count up to WAVES rounds (one for the Gluon kernels) whose rounds are
-    at least MIN_FILL full, with at least MIN_STEPS key blocks per split (the Triton kernels);
-    failing that, the fullest."""
+    at least MIN_FILL full, with at least MIN_STEPS key blocks per split (the Triton kernels,
+    unless that floor leaves the first round part empty); failing that, the fullest. A list of
+    fewer than MIN_STEPS blocks does not split."""
     base = T * num_hb
     slots = cfg["occupancy"] * num_sms
+    # a list of at least MIN_STEPS key blocks may split; then the first round of programs is
+    # always filled, down to one key block a program where the tokens alone leave SMs idle (a
+    # batch of 1-16: a program's serial gathers bound it, and more programs shorten the batch)
+    floor = topk // (MIN_STEPS * cfg["BLOCK_N"])
+    one_round = min(slots // base, triton.cdiv(topk, cfg["BLOCK_N"])) if floor else 1
     if cfg.get("one_round"):
-        # the Gluon kernels (one program per SM): fewer, longer splits within a single round, as
-        # each split pays the q prologue and a partial row for each of its heads (the timings
-        # against the two-round rule: docs/notes/sparse_mla_decode.md); no floor on the blocks a
-        # split: where the tokens leave SMs idle (a batch of 1-8), a program's gathers are what
-        # bound it, and a split per SM down to one key block each is fastest
-        most = max(1, min(slots // base, triton.cdiv(topk, cfg["BLOCK_N"])))
+        # the Gluon kernels (one program per SM): a single round, as each split pays the q
+        # prologue and a partial row for each of its heads (the timings against the two-round
+        # rule: docs/notes/sparse_mla_decode.md)
+        most = max(1, one_round)
     else:
-        most = max(1, min(triton.cdiv(WAVES * slots, base), topk // (MIN_STEPS * cfg["BLOCK_N"])))
+        most = max(1, min(triton.cdiv(WAVES * slots, base), floor), one_round)
     best, best_fill = 1, 0.0
     for s in range(1, most + 1):
         s = triton.cdiv(topk, _split_chunk(topk, s, cfg["BLOCK_N"]))
