@@ -6,7 +6,9 @@ bf16 caches on every GPU. On Hopper, fp8 caches go to Gluon kernels with the sam
 than 32 heads to kernels/sparse_mla_decode/sm90.py (64-head wgmma tiles, score tile split over the
 warpgroups, row bytes gathered a step ahead), up to 32 heads to kernels/sparse_mla_decode/sm90_kn.py
 (keys on the wgmma M, K and V^T register operands built from the bytes, a producer warpgroup
-gathering); the Triton kernel serves everything else. MODEL1 (DeepSeek-V4) caches go to
+gathering); bf16 caches with more than 16 heads to kernels/sparse_mla_decode/sm90_bf16.py (64-head
+blocks, rows copied to shared memory by cp.async as they are); the Triton kernel serves everything
+else. MODEL1 (DeepSeek-V4) caches go to
 kernels/sparse_mla_decode/model1_kernel.py on every GPU, with or without the extra cache (its
 programs walk the main list, then the extra one, in one softmax), and on Hopper at every head count
 to its Gluon counterpart kernels/sparse_mla_decode/sm90_model1.py (64-head blocks, bf16 K
@@ -28,6 +30,7 @@ import torch
 import triton
 
 from openmla.kernels.sparse_mla_decode import sm90 as _sm90
+from openmla.kernels.sparse_mla_decode import sm90_bf16 as _bf
 from openmla.kernels.sparse_mla_decode import sm90_kn as _kn
 from openmla.kernels.sparse_mla_decode import sm90_model1 as _m1
 from openmla.kernels.sparse_mla_decode.config import (_M1_SPACE, _head_blocks, _pick_config, _splits,
@@ -58,6 +61,7 @@ _TRITON = FastLaunch(sparse_mla_decode_kernel)
 _MERGE = FastLaunch(sparse_mla_decode_merge_kernel)
 _SM90 = FastLaunch(_sm90.sparse_mla_decode_sm90_kernel) if _sm90._GLUON else None
 _KN = FastLaunch(_kn.sparse_mla_decode_sm90_kn_kernel) if _kn._GLUON else None
+_BF = FastLaunch(_bf.sparse_mla_decode_sm90_bf16_kernel) if _bf._GLUON else None
 
 
 def _new_plan(key, make, *args):
@@ -90,7 +94,9 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     # config (tests, sweeps) always means the Triton kernel
     sm90 = is_fp8 and H > 32 and not config and _sm90.usable(q, cache)
     kn = is_fp8 and H <= _kn.MAX_HEADS and not config and _kn.usable(q, cache)
-    if sm90:
+    # Hopper, bf16 cache, more than 16 heads: the Gluon kernel of bf16 rows (cp.async, 64 heads)
+    bf = not is_fp8 and H >= _bf.MIN_HEADS and not config and _bf.usable(q, cache)
+    if sm90 or bf:
         cfg = dict(BLOCK_H=_sm90.BLOCK_H, BLOCK_N=_sm90.BLOCK_N, occupancy=_sm90.OCCUPANCY,
                    one_round=True)
     elif kn:
@@ -98,7 +104,8 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
                    one_round=True)
     else:
         cfg = _triton_config(q, H, config)
-    block_h, num_hb = _head_blocks(cfg, H)
+    # (the Gluon kernels' 64-head layouts never shrink to a smaller H)
+    block_h, num_hb = (_bf.BLOCK_H, triton.cdiv(H, _bf.BLOCK_H)) if bf else _head_blocks(cfg, H)
     block_n = cfg["BLOCK_N"]
     chunk, num_splits = _splits(T, num_hb, topk, cfg, num_splits, num_sms(q.device))
     split = num_splits > 1
@@ -119,6 +126,10 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     if sm90:
         return (_SM90, grid, ints, (stride_cb, stride_cr),
                 dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_sm90.NUM_WARPS), num_splits,
+                merge, pid)
+    if bf:
+        return (_BF, grid, ints, (stride_cb, stride_cr),
+                dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_bf.NUM_WARPS), num_splits,
                 merge, pid)
     if kn:
         return (_KN, grid, ints, (stride_cb, stride_cr),

@@ -67,7 +67,14 @@ if _GLUON:
         else:
             p_kv = kv_ptr + b_idx.to(gl.int64) * stride_kv
         # launch() only runs 16-byte aligned rows here, so every copy moves 16 bytes
-        p_kv = gl.multiple_of(p_kv, 16)  # bytes
+        copy_rows_at(gl.multiple_of(p_kv, 16), m_n, s_lat, s_rope, GATHER, D_LAT, D_ROPE)
+
+    @gluon.jit
+    def copy_rows_at(p_kv, m_n, s_lat, s_rope, GATHER: gl.constexpr, D_LAT: gl.constexpr,
+                     D_ROPE: gl.constexpr):
+        """Start the asynchronous copy of the rows at p_kv (16-byte aligned, one pointer a row;
+        rows with m_n False zero-filled, never read) into s_lat / s_rope: one commit group. Also
+        the bf16-cache decode kernel's gather (kernels/sparse_mla_decode/sm90_bf16.py)."""
         o_l = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GATHER))
         cp.async_copy_global_to_shared(s_lat, p_kv[:, None] + o_l[None, :], mask=m_n[:, None])
         if D_ROPE > 0:  # d_qk 576; 512-wide (V4) rows are all value

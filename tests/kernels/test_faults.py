@@ -188,6 +188,18 @@ def test_decode_fault_every_kernel(H, where, value):
     _check_decode(FP8_DS_MLA, q, cache, idx, nan_rows)
 
 
+@GPU_ONLY
+@pytest.mark.parametrize("H", [64, 128])  # Hopper: the bf16 Gluon kernel
+@pytest.mark.parametrize("where,value", [("latent", NAN), ("latent", INF), ("rope", -INF)],
+                         ids=["latent-nan", "latent-inf", "rope-neginf"])
+def test_decode_fault_bf16_every_kernel(H, where, value):
+    q, cache, idx, slot = _decode_inputs(BF16_MLA, H, seed=H + 1)
+    _poison_row(cache, BF16_MLA, slot, where, value)
+    nan_rows = torch.zeros(3, H, dtype=torch.bool)
+    nan_rows[:2] = True
+    _check_decode(BF16_MLA, q, cache, idx, nan_rows)
+
+
 # ------------------------------------------------------------------------------------------------
 # Sparse prefill
 # ------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from openmla.kernels.reference import sparse_mla_decode_ref
 from openmla.kernels.sparse_mla_decode import sm90 as sm90
 from openmla.kernels.sparse_mla_decode import sm90_kn as sm90_kn
+from openmla.kernels.sparse_mla_decode import sm90_bf16 as sm90_bf16
 from openmla.kernels.sparse_mla_decode.op import _launch, sparse_mla_decode
 from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
 from tests.helpers import (DEVICE, GPU_ONLY, SM90_ONLY, assert_close, compile_gluon_sm90, invalid_indices,
@@ -83,6 +84,12 @@ SHAPES = [  # fmt, T, H, topk, num_blocks, block_size, q_mul (>1 gives peaked so
     _gpu("bf16", 3, 128, 2048, 40, 61, 3.0, id="bf16-T3-H128-topk2048-bs61"),
     _gpu("bf16", 5, 64, 300, 1000, 1, 1.0, id="bf16-T5-H64-topk300-bs1"),
     _gpu("bf16", 9, 16, 2048, 64, 64, 1.0, id="bf16-T9-H16-topk2048-bs64"),
+    # the bf16 Gluon kernel (Hopper, H > 32): splits at one token, a paged (power-of-two) layout,
+    # a head count that is not a multiple of 64, and a list shorter than one key block
+    _gpu("bf16", 1, 128, 2048, 64, 64, 3.0, id="bf16-T1-H128-topk2048-bs64"),
+    _gpu("bf16", 2, 33, 1000, 40, 64, 3.0, id="bf16-T2-H33-topk1000-bs64"),
+    _gpu("bf16", 40, 100, 2048, 3000, 1, 1.0, id="bf16-T40-H100-topk2048-bs1"),
+    _gpu("bf16", 3, 64, 37, 5, 61, 3.0, id="bf16-T3-H64-topk37-bs61"),
 ]
 
 
@@ -103,6 +110,8 @@ OPTIONS = [  # fmt, H, topk, block_size, topk_length per token (None: no topk_le
     _gpu("fp8", 128, 2048, 64, [2048, 0, 1, 1500, 5000], True, id="fp8-H128-topk2048-len-sink"),
     _gpu("fp8", 64, 300, 61, [299, 0, 300], True, id="fp8-H64-topk300-len-sink"),
     _gpu("bf16", 16, 2048, 64, [7, 2048, 0], True, id="bf16-H16-topk2048-len-sink"),
+    _gpu("bf16", 128, 2048, 64, [2048, 0, 1, 1500, 5000], True, id="bf16-H128-topk2048-len-sink"),
+    _gpu("bf16", 64, 300, 61, [299, 0, 300], True, id="bf16-H64-topk300-len-sink"),
 ]
 
 
@@ -346,6 +355,23 @@ def test_sm90_kernel_compiles():
     # wgmma; the producer gathers with 16-byte loads into registers (no cp.async: it converts
     # the bytes before they reach shared memory)
     assert got["hgmma"] > 0 and got["ldg128"] > 0 and got["ldgsts"] == 0, got
+
+
+@pytest.mark.skipif(not sm90_bf16._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+@pytest.mark.parametrize("split", [False, True], ids=["one-split", "split"])
+def test_sm90_bf16_kernel_compiles(split):
+    """The bf16-cache Gluon kernel, compiled for sm_90a on the CPU: shared memory fits, no spills,
+    wgmma, and its rows move by 16-byte cp.async only (per thread per block of 64 rows: 18 copies
+    of a 576-wide bf16 row block; issued before the loop and in it). With splits it keeps 8 bytes
+    on the stack (the partials' extra pointer arithmetic at the 255-register ceiling)."""
+    got = compile_gluon_sm90(
+        "openmla.kernels.sparse_mla_decode.sm90_bf16", "sparse_mla_decode_sm90_bf16_kernel",
+        dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=split, BLOCK_H=sm90_bf16.BLOCK_H,
+             BLOCK_N=sm90_bf16.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=0, ROPE_OFF=512, BS_SHIFT=6,
+             INF_EMPTY=True),
+        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90_bf16.NUM_WARPS)
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= (8 if split else 0), got
+    assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] == 2 * 18, got
 
 
 @pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
