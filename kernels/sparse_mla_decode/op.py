@@ -4,7 +4,8 @@ topk, optionally joined by an extra cache: the public op, its dispatch and plans
 The portable Triton kernel (kernels/sparse_mla_decode/triton_kernel.py) serves fp8_ds_mla and
 bf16 caches on every GPU. On Hopper, fp8 caches go to Gluon kernels with the same contract: more
 than 32 heads to kernels/sparse_mla_decode/sm90.py (64-head wgmma tiles, score tile split over the
-warpgroups, row bytes gathered a step ahead), up to 32 heads to kernels/sparse_mla_decode/sm90_kn.py
+warpgroups, row bytes gathered a step ahead; not where tokens x 64-head blocks <= sm90.FEW_BLOCKS,
+a batch of one or two, which the Triton kernel's 32-head blocks serve faster), up to 32 heads to kernels/sparse_mla_decode/sm90_kn.py
 (keys on the wgmma M, K and V^T register operands built from the bytes, a producer warpgroup
 gathering); bf16 caches with more than 16 heads to kernels/sparse_mla_decode/sm90_bf16.py (64-head
 blocks, rows copied to shared memory by cp.async as they are); the Triton kernel serves everything
@@ -90,9 +91,11 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     T, H, _ = q.shape
     topk = indices.shape[1]
     is_fp8 = fmt.quantized
-    # Hopper, fp8 cache, more than 32 heads: the Gluon kernel (64-head wgmma tiles); a pinned
-    # config (tests, sweeps) always means the Triton kernel
-    sm90 = is_fp8 and H > 32 and not config and _sm90.usable(q, cache)
+    # Hopper, fp8 cache, more than 32 heads: the Gluon kernel (64-head wgmma tiles), unless the
+    # tokens give it at most _sm90.FEW_BLOCKS head blocks; a pinned config (tests, sweeps) always
+    # means the Triton kernel
+    few = T * triton.cdiv(H, _sm90.BLOCK_H) <= _sm90.FEW_BLOCKS
+    sm90 = is_fp8 and H > 32 and not config and not few and _sm90.usable(q, cache)
     kn = is_fp8 and H <= _kn.MAX_HEADS and not config and _kn.usable(q, cache)
     # Hopper, bf16 cache, more than 16 heads: the Gluon kernel of bf16 rows (cp.async, 64 heads)
     bf = not is_fp8 and H >= _bf.MIN_HEADS and not config and _bf.usable(q, cache)
