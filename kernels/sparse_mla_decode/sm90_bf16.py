@@ -49,7 +49,7 @@ BLOCK_N = 64  # keys per step
 NUM_WARPS = 8
 OCCUPANCY = 1  # programs per SM, for the split rule
 # fewer heads run the Triton kernel (16-head blocks: no padding to 64). H200, 2026-11-28, T 1-128:
-# at 17-32 heads this kernel took 0.67-0.98x the Triton kernel's time, at 16 heads 0.80-1.07x
+# at 17-32 heads this kernel took 0.65-0.98x the Triton kernel's time, at 16 heads 0.80-1.07x
 MIN_HEADS = 17
 
 
