@@ -308,6 +308,7 @@ def test_decode_steps_reuse_plan(kv, fp8_path, H, qlen):
 
 GRAPH_CASES = [
     pytest.param("bf16", None, 16, 1, id="bf16-H16-decode"),
+    pytest.param("bf16", None, 128, 2, id="bf16-H128-specdecode2"),  # Hopper: the bf16 Gluon kernel
     pytest.param("fp8_ds_mla", "mixed", 16, 1, id="fp8-mixed-H16-decode"),
     pytest.param("fp8_ds_mla", "separate", 64, 3, id="fp8-separate-H64-specdecode3"),
     pytest.param("fp8_ds_mla", "separate", 128, 1, id="fp8-separate-H128-decode"),
