@@ -7,9 +7,9 @@ than 32 heads to kernels/sparse_mla_decode/sm90.py (64-head wgmma tiles, score t
 warpgroups, row bytes gathered a step ahead; not where tokens x 64-head blocks <= sm90.FEW_BLOCKS,
 a batch of one or two, which the Triton kernel's 32-head blocks serve faster), up to 32 heads to kernels/sparse_mla_decode/sm90_kn.py
 (keys on the wgmma M, K and V^T register operands built from the bytes, a producer warpgroup
-gathering); bf16 caches with more than 16 heads to kernels/sparse_mla_decode/sm90_bf16.py (64-head
-blocks, rows copied to shared memory by cp.async as they are); the Triton kernel serves everything
-else. MODEL1 (DeepSeek-V4) caches go to
+gathering); bf16 caches with more than 16 heads, or at most 32 tokens, to
+kernels/sparse_mla_decode/sm90_bf16.py (64-head blocks, rows copied to shared memory by cp.async as
+they are); the Triton kernel serves everything else. MODEL1 (DeepSeek-V4) caches go to
 kernels/sparse_mla_decode/model1_kernel.py on every GPU, with or without the extra cache (its
 programs walk the main list, then the extra one, in one softmax), and on Hopper at every head count
 to its Gluon counterpart kernels/sparse_mla_decode/sm90_model1.py (64-head blocks, bf16 K
@@ -97,8 +97,9 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     few = T * triton.cdiv(H, _sm90.BLOCK_H) <= _sm90.FEW_BLOCKS
     sm90 = is_fp8 and H > 32 and not config and not few and _sm90.usable(q, cache)
     kn = is_fp8 and H <= _kn.MAX_HEADS and not config and _kn.usable(q, cache)
-    # Hopper, bf16 cache, more than 16 heads: the Gluon kernel of bf16 rows (cp.async, 64 heads)
-    bf = not is_fp8 and H >= _bf.MIN_HEADS and not config and _bf.usable(q, cache)
+    # Hopper, bf16 cache, more than 16 heads or at most 32 tokens: the Gluon kernel of bf16 rows
+    # (cp.async, 64 heads)
+    bf = not is_fp8 and _bf.serves(T, H) and not config and _bf.usable(q, cache)
     if sm90 or bf:
         cfg = dict(BLOCK_H=_sm90.BLOCK_H, BLOCK_N=_sm90.BLOCK_N, occupancy=_sm90.OCCUPANCY,
                    one_round=True)

@@ -48,9 +48,17 @@ BLOCK_H = 64
 BLOCK_N = 64  # keys per step
 NUM_WARPS = 8
 OCCUPANCY = 1  # programs per SM, for the split rule
-# fewer heads run the Triton kernel (16-head blocks: no padding to 64). H200, 2026-11-28, T 1-128:
-# at 17-32 heads this kernel took 0.65-0.98x the Triton kernel's time, at 16 heads 0.80-1.07x
+# At most 16 heads and more than MAX_TOKENS_FEW_HEADS tokens run the Triton kernel (16-head blocks:
+# no padding to 64). H200, 2026-11-28, same process, this kernel's time over the Triton kernel's:
+# 17-32 heads 0.65-0.98x at 1-128 tokens; 16 heads 0.80-0.95x at 1-32 tokens, 1.07x / 1.03x at
+# 64 / 128 (docs/notes/sparse_mla_decode.md, "bf16 cache")
 MIN_HEADS = 17
+MAX_TOKENS_FEW_HEADS = 32
+
+
+def serves(T: int, H: int) -> bool:
+    """Whether a decode of T tokens x H heads (any cache layout `usable` accepts) runs here."""
+    return H >= MIN_HEADS or T <= MAX_TOKENS_FEW_HEADS
 
 
 def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
