@@ -15,6 +15,8 @@ from openmla.kernels.reference import sparse_mla_decode_ref
 from openmla.kernels.sparse_mla_decode import sm90 as sm90
 from openmla.kernels.sparse_mla_decode import sm90_kn as sm90_kn
 from openmla.kernels.sparse_mla_decode import sm90_bf16 as sm90_bf16
+from openmla.kernels import device
+from openmla.kernels.sparse_mla_decode import op as decode_op
 from openmla.kernels.sparse_mla_decode.op import _launch, sparse_mla_decode
 from openmla.quant import BF16_MLA, FP8_DS_MLA, FP8_DS_MLA_RAW
 from tests.helpers import (DEVICE, GPU_ONLY, SM90_ONLY, assert_close, compile_gluon_sm90, invalid_indices,
@@ -357,6 +359,24 @@ def test_sm90_kernel_compiles():
     # wgmma; the producer gathers with 16-byte loads into registers (no cp.async: it converts
     # the bytes before they reach shared memory)
     assert got["hgmma"] > 0 and got["ldg128"] > 0 and got["ldgsts"] == 0, got
+
+
+@pytest.mark.skipif(not sm90_bf16._GLUON, reason="this Triton has no Gluon: the sm_90 kernels are not built")
+@pytest.mark.parametrize("fmt,T,H,kernel", [
+    ("fp8", 1, 128, "_TRITON"), ("fp8", 2, 64, "_TRITON"), ("fp8", 2, 65, "_SM90"),
+    ("fp8", 3, 33, "_SM90"), ("fp8", 1, 32, "_KN"), ("fp8", 9, 1, "_KN"),
+    ("bf16", 1, 1, "_BF"), ("bf16", 32, 16, "_BF"), ("bf16", 33, 16, "_TRITON"), ("bf16", 33, 17, "_BF"),
+    ("bf16", 40, 128, "_BF"),
+])
+def test_hopper_kernel_choice(fmt, T, H, kernel):
+    """Which kernel a Hopper plan launches (the plan only; nothing runs): fp8 with more than 32
+    heads on the 64-head Gluon kernel from three (token, 64-head block) pairs (sm90.FEW_BLOCKS),
+    else on the Triton kernel; at most 32 heads on the keys-on-M kernel; bf16 on its Gluon kernel
+    at more than 16 heads or at most 32 tokens (sm90_bf16.serves), else on the Triton kernel."""
+    q, cache, idx = make_inputs(fmt, T, H, 64, 4, 64, seed=T + H)
+    with device.assume(device.ARCHES["sm_90"]):
+        plan = decode_op._get_plan(q, cache, idx, None, None, FORMATS[fmt])
+    assert plan[0] is getattr(decode_op, kernel)
 
 
 @pytest.mark.skipif(not sm90_bf16._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
