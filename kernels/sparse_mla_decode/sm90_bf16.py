@@ -18,7 +18,8 @@ Why a kernel of its own: the portable Triton kernel (32-head blocks, row tiles t
 took 2x the fp8 Gluon kernel's time at 64 and 128 heads (docs/benchmarks.md), whereas a bf16 row
 needs no dequantization at all.
 
-Gluon runs on the GPU only (not in Triton's interpreter); `usable` says when to use it. The CPU
+Gluon runs on the GPU only (not in Triton's interpreter); `usable` says when it may run, `serves`
+at which shapes the planner (kernels/sparse_mla_decode/op.py) picks it. The CPU
 suite compiles it for sm_90a (tests/kernels/test_sparse_mla_decode.py); the GPU suite checks it
 against the oracle like every other path.
 """
