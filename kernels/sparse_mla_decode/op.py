@@ -100,16 +100,18 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     # Hopper, bf16 cache, more than 16 heads or at most 32 tokens: the Gluon kernel of bf16 rows
     # (cp.async, 64 heads)
     bf = not is_fp8 and _bf.serves(T, H) and not config and _bf.usable(q, cache)
-    if sm90 or bf:
+    if sm90:
         cfg = dict(BLOCK_H=_sm90.BLOCK_H, BLOCK_N=_sm90.BLOCK_N, occupancy=_sm90.OCCUPANCY,
                    one_round=True)
+    elif bf:
+        cfg = dict(BLOCK_H=_bf.BLOCK_H, BLOCK_N=_bf.BLOCK_N, occupancy=_bf.OCCUPANCY, one_round=True)
     elif kn:
         cfg = dict(BLOCK_H=_kn.block_h(H), BLOCK_N=_kn.BLOCK_N, occupancy=_kn.OCCUPANCY,
                    one_round=True)
     else:
         cfg = _triton_config(q, H, config)
-    # (the Gluon kernels' 64-head layouts never shrink to a smaller H)
-    block_h, num_hb = (_bf.BLOCK_H, triton.cdiv(H, _bf.BLOCK_H)) if bf else _head_blocks(cfg, H)
+    # (the bf16 Gluon kernel's 64-head layouts never shrink to a smaller H)
+    block_h, num_hb = (cfg["BLOCK_H"], triton.cdiv(H, cfg["BLOCK_H"])) if bf else _head_blocks(cfg, H)
     block_n = cfg["BLOCK_N"]
     chunk, num_splits = _splits(T, num_hb, topk, cfg, num_splits, num_sms(q.device))
     split = num_splits > 1

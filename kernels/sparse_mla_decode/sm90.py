@@ -52,9 +52,7 @@ V_REGS = 160  # registers of the value warpgroup (O[:, 256:] alone is 128)
 P_REGS = 96  # registers of the producer; the score warpgroup gets the rest (248)
 # At most this many (token, 64-head block) pairs run the Triton kernel instead: its 32-head blocks
 # make twice the programs, and there the split programs' serial gathers, not the per-block rate,
-# bound the time. H200, 2026-11-28, same process, ms (Gluon / Triton): T1 H64 0.0185 / 0.0153,
-# T1 H128 0.0192 / 0.0166, T2 H64 0.0188 / 0.0165; T2 H128 0.0219 / 0.0214 and T4 H64 0.0216 /
-# 0.0213 about equal; T4 H128 0.0261 / 0.0337, T8 H64 0.0265 / 0.0334
+# bound the time (the A/B behind the cut: docs/notes/sparse_mla_decode.md, "Small batches")
 FEW_BLOCKS = 2
 
 

@@ -49,10 +49,9 @@ BLOCK_H = 64
 BLOCK_N = 64  # keys per step
 NUM_WARPS = 8
 OCCUPANCY = 1  # programs per SM, for the split rule
-# At most 16 heads and more than MAX_TOKENS_FEW_HEADS tokens run the Triton kernel (16-head blocks:
-# no padding to 64). H200, 2026-11-28, same process, this kernel's time over the Triton kernel's:
-# 17-32 heads 0.65-0.98x at 1-128 tokens; 16 heads 0.80-0.95x at 1-32 tokens, 1.07x / 1.03x at
-# 64 / 128 (docs/notes/sparse_mla_decode.md, "bf16 cache")
+# At most 16 heads and more than MAX_TOKENS_FEW_HEADS tokens run the Triton kernel: its 16-head
+# blocks pay no padding to 64 heads, which costs this kernel more than it saves once the tokens
+# alone fill the SMs (the A/B behind both numbers: docs/notes/sparse_mla_decode.md, "bf16 cache")
 MIN_HEADS = 17
 MAX_TOKENS_FEW_HEADS = 32
 
