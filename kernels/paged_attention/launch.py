@@ -9,20 +9,20 @@ a `_Plan`: the grid, the split count, every int argument and constexpr of both l
 A plan depends only on what its key holds (shapes, strides, dtypes, the format's flags, which
 optional inputs are given, the score options' flags, max_q / max_kv / num_splits, the device and
 its architecture), so it is made once per call signature and reused: a decode step repeats the
-same call in every layer. Per call only the pointers, the two float scales and the split
-partials' buffer are new. Short queries (decode, speculative decoding) launch through
+same call in every layer. Per call only the pointers and the two float scales are new (the split
+partials are views of the stream's reusable scratch, kernels/scratch.py). Short queries (decode, speculative decoding) launch through
 `kernels.launch.FastLaunch` (their BLOCK_M is the plan's BLOCK_M_WANT, so their grid is known
 before the launch); long queries through Triton's own launch, whose grid follows the BLOCK_M
 that autotuning picks.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
 
+from openmla.kernels import scratch as _scratch
 from openmla.kernels.device import arch_of, num_sms
 from openmla.kernels.launch import FastLaunch
 from openmla.kernels.merge import parts_tile
@@ -50,7 +50,6 @@ _REDUCE = FastLaunch(paged_attention_reduce_kernel)
 # Plans by call signature (module docstring); cleared when full (signatures that never repeat).
 _PLANS: dict = {}
 _MAX_PLANS = 4096
-_PLAN_IDS = itertools.count()  # each plan's number (`_Plan.pid`), never reused
 # The plan key of a call by the caller's checked call signature (paged.py's `_lookup`: each
 # tensor's type, dtype, shape, strides and device) and the call's other plan inputs: a repeated
 # call skips building the key (stride reads and a tuple of ~30 items, several microseconds).
@@ -103,8 +102,8 @@ class _Plan(NamedTuple):
     ints_b: tuple  # window, strides (after them)
     consts: dict  # the kernel's constexprs
     splits: int
-    part_numel: int  # fp32 elements of the split partials' one buffer (0: no split)
-    lse_off: int  # where the partial lse start in it (16-byte aligned)
+    part_numel: int  # fp32 elements of the split partials, out then lse (0: no split)
+    lse_off: int  # the partial out's elements (a multiple of 4), where the lse's count starts
     is_fp8: bool
     v_int8: bool
     k_int8: bool
@@ -113,7 +112,7 @@ class _Plan(NamedTuple):
     reduce_ints: tuple  # the reduction's ints after its four pointers
     reduce_consts: dict
     flags: Optional[tuple]  # key_flags.py's pass: (bytes, grid, ints, constexprs), or None
-    pid: int  # a number no other plan has: it keys the plan's launches (cheaper than its key)
+    pid: int  # a number no other plan of any op has (scratch.PLAN_IDS): keys its launches and scratch
 
 
 def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms: int,
@@ -245,7 +244,7 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
                       GROUP_=GROUP, num_warps=8))
     part_numel = lse_off = 0
     if splits > 1:
-        # one fp32 buffer: out partials [splits, T, H, D], then (16-byte aligned) lse [splits, T, H]
+        # fp32 partials: out [splits, T, H, D] (lse_off values), then lse [splits, T, H]
         lse_off = triton.cdiv(splits * T * H * D, 4) * 4
         part_numel = lse_off + splits * T * H
         s_o = (T * H * D, H * D, D, T * H, H, 1)
@@ -279,7 +278,7 @@ def _make_plan(q, keys: _KeySource, cu_seqlens_q, out, lse, opts: ScoreOptions, 
                          BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d)
     return _Plan(grid, grid_fn, ints_a, ints_b, consts, splits, part_numel, lse_off, is_fp8,
                  v_int8, k_int8, is_fp8 and not arch.fp8_type, (T, triton.cdiv(H, block_h)),
-                 reduce_ints, reduce_consts, flags, next(_PLAN_IDS))
+                 reduce_ints, reduce_consts, flags, next(_scratch.PLAN_IDS))
 
 
 def _run(plan: _Plan, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: ScoreOptions,
@@ -302,8 +301,9 @@ def _run(plan: _Plan, q, k, v, table, cu_seqlens_q, lens, out, lse, opts: ScoreO
         key_flags_kernel[fgrid](k, table, lens, kflags, *fints, **fconsts)
     split = plan.splits > 1
     if split:
-        part = torch.empty((plan.part_numel,), dtype=torch.float32, device=q.device)
-        o_ptr, l_ptr = part, part[plan.lse_off:]
+        # this stream's reusable scratch (kernels/scratch.py): the partial outputs, then their lse
+        o_ptr, l_ptr = _scratch.partials(plan.pid, q.device, ((plan.lse_off,),
+                                                              (plan.part_numel - plan.lse_off,)))
     else:
         o_ptr, l_ptr = out, lse_arg
     args = (q, k, v, table, cu_seqlens_q, lens, alibi, sinks, ks, vs, ksc, ksm, kflags, o_ptr,

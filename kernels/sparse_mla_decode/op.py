@@ -24,7 +24,6 @@ never reads a device tensor on the host and can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
@@ -39,6 +38,7 @@ from openmla.kernels.sparse_mla_decode.config import (_M1_SPACE, _head_blocks, _
 from openmla.kernels.sparse_mla_decode.model1_kernel import sparse_mla_decode_model1_kernel
 from openmla.kernels.sparse_mla_decode.triton_kernel import (sparse_mla_decode_kernel,
                                                              sparse_mla_decode_merge_kernel)
+from openmla.kernels import scratch as _scratch
 from openmla.kernels.device import arch_of, num_sms
 from openmla.kernels.launch import BoundLaunch, FastLaunch
 from openmla.kernels.merge import parts_tile
@@ -57,7 +57,6 @@ MAX_HEADS = 128
 # they are chosen once and reused (a decode step repeats the same call every layer).
 _PLANS: dict = {}
 _MAX_PLANS = 4096
-_PLAN_IDS = itertools.count()
 _TRITON = FastLaunch(sparse_mla_decode_kernel)
 _MERGE = FastLaunch(sparse_mla_decode_merge_kernel)
 _SM90 = FastLaunch(_sm90.sparse_mla_decode_sm90_kernel) if _sm90._GLUON else None
@@ -128,7 +127,7 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
                   ROPE_OFF=fmt.rope_offset, INF_EMPTY=inf_empty and not split)  # (split: the merge)
     grid = (T * num_hb, num_splits)
     merge = _merge_plan(T, H, num_splits, attn_sink is not None, fmt, num_sms(q.device), inf_empty)
-    pid = next(_PLAN_IDS)
+    pid = next(_scratch.PLAN_IDS)
     if sm90:
         return (_SM90, grid, ints, (stride_cb, stride_cr),
                 dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_sm90.NUM_WARPS), num_splits,
@@ -208,7 +207,8 @@ def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, l
     flattened by one stride, token t = i * s_q + j is one stride from t - 1). The cache is read
     through the plan's strides, so any view of its memory serves.
     scratch: None, or (lse, partial out, partial lse) fp32 tensors of the shapes `layer_plan`
-    gives (the partials None for one split), written instead of new allocations."""
+    gives (the partials None for one split), written instead of new allocations. Without it the
+    partials are this stream's reusable scratch (kernels/scratch.py) and lse a new tensor."""
     kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
     if layout is None:
         T, H = q.shape[0], q.shape[1]
@@ -217,7 +217,11 @@ def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, l
     T, H, sq0, sq1, si, so0, so1, lse_shape = layout
     if scratch is None:
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        po, plse = _partials(lse, num_splits, fmt, shape=(T, H))
+        if num_splits > 1:  # the plan fixes T, H and the splits: its number keys the views
+            po, plse = _scratch.partials(pid, q.device, ((T, num_splits, H, fmt.latent_dim),
+                                                         (T, num_splits, H)))
+        else:
+            po = plse = lse
     else:
         lse, po, plse = scratch
         if po is None:
@@ -227,8 +231,8 @@ def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, l
     args = (q, cache, indices, length, sink, out, lse, po, plse, *ints, sq0, sq1,
             *cache_strides, si, so0, so1, float(scale) * LOG2E)
     # the plan's key and the strides below fix every int argument and dtype; with every pointer
-    # 16-byte aligned it keys the launch too (lse and the partials are fresh allocations, which
-    # the caching allocator aligns)
+    # 16-byte aligned it keys the launch too (lse is a fresh allocation, which the caching
+    # allocator aligns; the scratch views start on 128 bytes)
     aligned = (q.data_ptr() | cache.data_ptr() | indices.data_ptr() | out.data_ptr()
                | length.data_ptr() | sink.data_ptr()) & 15 == 0
     # (the plan's number stands for its key: cheaper to hash, and never reused)
