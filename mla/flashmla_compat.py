@@ -45,7 +45,7 @@ import torch
 
 from openmla.kernels.device import arch_of
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
-from openmla.kernels.sparse_mla_decode.op import flashmla_plan, run_plan
+from openmla.kernels.sparse_mla_decode.op import bind_call, flashmla_plan, run_plan
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from openmla.quant.validate import CheckedCalls, check_scale, check_tensor, fail, tensor_signature
 from openmla.quant.mla_formats import BF16_MLA, FP8_DS_MLA
@@ -212,14 +212,13 @@ def flash_mla_with_kvcache(
             sig = hit = None
         if hit is not None and meta.config is hit[1]:
             # this signature passed every check below, and the op's, with this metadata object
-            fmt, plan, layout = hit[0], hit[2], hit[4]
+            fmt, plan, run = hit[0], hit[2], hit[5]
             scale = (fmt.head_dim ** -0.5 if softmax_scale is None
                      else check_scale("softmax_scale", softmax_scale))
-            if layout is not None:  # the op's kernels on FlashMLA's tensors as they are
+            if run is not None:  # the op's kernels on FlashMLA's tensors as they are
                 b, s_q, h_q, _ = q.shape
                 out = torch.empty((b, s_q, h_q, D_V), dtype=q.dtype, device=q.device)
-                lse = run_plan(plan, q, k_cache, indices, _per_token(topk_length, s_q), attn_sink,
-                               out, scale, fmt, layout)
+                lse = run(q, k_cache, indices, _per_token(topk_length, s_q), attn_sink, out, scale)
                 return out, (lse if s_q == 1 else lse.transpose(1, 2).contiguous())
             return _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, {}, plan)
     # first: a bool here is the README's positional (is_causal, is_fp8_kvcache, indices) mix-up
@@ -284,13 +283,15 @@ def flash_mla_with_kvcache(
     result = _decode(q, k_cache, indices, topk_length, attn_sink, scale, fmt, extra)
     if sig is not None and not extra:  # remembered once the op's checks passed too
         plan = _plan(q, k_cache, indices, topk_length, attn_sink, fmt)
-        _CHECKED.remember(sig, (fmt, meta.config, plan, arch_of(q.device),
-                                _direct_layout(q, k_cache, indices) if plan is not None else None))
+        layout = _direct_layout(q, k_cache, indices) if plan is not None else None
+        _CHECKED.remember(sig, (fmt, meta.config, plan, arch_of(q.device), layout,
+                                bind_call(plan, fmt, layout) if layout is not None else None))
     return result
 
 
 # call signature -> (format, the metadata's config, the op's launch plan or None, the architecture
-# the signature names by id, the plan's layout of FlashMLA's own tensors or None) of decode calls
+# the signature names by id, the plan's layout of FlashMLA's own tensors or None, the plan's call
+# bound to that layout (kernels.sparse_mla_decode.op.bind_call) or None) of decode calls
 # without an extra cache that passed flash_mla_with_kvcache's checks and the op's
 _CHECKED = CheckedCalls()
 

@@ -246,6 +246,40 @@ def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, l
     return lse
 
 
+def bind_call(plan, fmt, layout):
+    """run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, layout) for the
+    repeated calls of one checked call signature, whose tensors' shapes and strides (so the
+    launch key and every int argument) are those of `layout` (run_plan's layout argument): returns
+    `run(q, cache, indices, topk_length, attn_sink, out, scale) -> lse`, which launches the same
+    kernels through launchers bound once (kernels.launch.BoundLaunch) with the arguments that do
+    not change built once; a call with a pointer off 16 bytes takes run_plan's unkeyed path."""
+    kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
+    T, H, sq0, sq1, si, so0, so1, lse_shape = layout
+    key = (pid, sq0, sq1, si, so0, so1)
+    decode = BoundLaunch(kernel, key, grid, **consts)
+    merged = BoundLaunch(_MERGE, key, merge[0], **merge[1]) if num_splits > 1 else None
+    parts = ((T, num_splits, H, fmt.latent_dim), (T, num_splits, H))
+    tail = (*ints, sq0, sq1, *cache_strides, si, so0, so1)
+
+    def run(q, cache, indices, topk_length, attn_sink, out, scale):
+        ptrs = q.data_ptr() | cache.data_ptr() | indices.data_ptr() | out.data_ptr()
+        if topk_length is not None:
+            ptrs |= topk_length.data_ptr()
+        if attn_sink is not None:
+            ptrs |= attn_sink.data_ptr()
+        if ptrs & 15:
+            return run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, layout)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        po, plse = _scratch.partials(pid, q.device, parts) if merged is not None else (lse, lse)
+        sink = attn_sink if attn_sink is not None else lse
+        decode(q, cache, indices, topk_length if topk_length is not None else lse, sink, out, lse,
+               po, plse, *tail, float(scale) * LOG2E)
+        if merged is not None:
+            merged(po, plse, sink, out, lse, H, num_splits, so0, so1)
+        return lse
+    return run
+
+
 def bind_layer(plan, q, indices, out, scratch, fmt):
     """run_plan(plan, q, cache, indices, None, None, out, scale, fmt, scratch=scratch) with
     everything but the cache and the scale fixed: returns `run(cache, scale) -> lse`, which makes
@@ -491,9 +525,9 @@ def _signature(q, cache, indices, topk_length, attn_sink, out, fmt):
             sig(attn_sink), sig(out), id(fmt), id(arch), arch.gluon_sm90)
 
 
-# signature -> (format, plan, the format argument, the architecture) of the calls that passed the
-# checks (fp8_ds_mla and bf16 caches without an extra cache, T >= 1): a repeated call goes straight
-# to the launch
+# signature -> (format, plan, the format argument, the architecture, the plan's bound call) of the
+# calls that passed the checks (fp8_ds_mla and bf16 caches without an extra cache, T >= 1): a
+# repeated call goes straight to the launch
 _VALIDATED = CheckedCalls()
 
 
@@ -542,11 +576,11 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         except (AttributeError, TypeError):
             sig = hit = None
         if hit is not None:
-            fmt, plan = hit[0], hit[1]
+            fmt, run = hit[0], hit[4]
             scale = check_scale("scale", scale)
             if out is None:
                 out = torch.empty((q.shape[0], q.shape[1], fmt.latent_dim), dtype=q.dtype, device=q.device)
-            return out, run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt)
+            return out, run(q, cache, indices, topk_length, attn_sink, out, scale)
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, last_dim_contiguous=True)
     T, H, d_qk = q.shape
     fmt_arg = fmt
@@ -595,7 +629,9 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         plan = _get_plan(q, cache, indices, topk_length, attn_sink, fmt)
         # (the signature names the format argument and the architecture by identity: the entry
         # keeps both alive, so no other object takes their ids while it exists)
-        _VALIDATED.remember(sig, (fmt, plan, fmt_arg, arch_of(q.device)))
+        # (a call without `out` gets a new contiguous one: the same strides on every such call)
+        layout = (T, H, q.stride(0), q.stride(1), indices.stride(0), out.stride(0), out.stride(1), (T, H))
+        _VALIDATED.remember(sig, (fmt, plan, fmt_arg, arch_of(q.device), bind_call(plan, fmt, layout)))
         lse = run_plan(plan, q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
     else:
         lse = _run(q, cache, indices, topk_length, attn_sink, out, float(scale), fmt, extra_cache,

@@ -146,3 +146,21 @@ def test_captured_decode_keeps_its_own_partials():
         torch.cuda.synchronize()
         assert torch.equal(got_a, out_a) and torch.equal(got_lse_a, lse_a)
         assert torch.equal(again_b, out_b) and torch.equal(again_lse_b, lse_b)
+
+
+def test_repeated_decode_signature_off_16_bytes():
+    """A repeated call signature (same shapes and strides) whose q or out starts off 16 bytes runs
+    run_plan's unkeyed launch: the bound launches key on 16-byte aligned pointers."""
+    q, cache, idx = make_inputs("fp8", 1, 16, 200, 8, 64, seed=6)
+    wide = torch.full((1, 16, 584), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    outs = torch.full((1, 16, 520), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    want, want_lse = sparse_mla_decode_ref(q, cache, idx, scale=SCALE)
+    for off in (0, 1, 0, 3):  # elements of 2 bytes: 0 is aligned, 1 and 3 are not
+        q_view = wide[:, :, off:off + 576]
+        q_view.copy_(q)
+        out = outs[:, :, off:off + 512]
+        got, lse = sparse_mla_decode(q_view, cache, idx, scale=SCALE, out=out)
+        assert got is out
+        assert_close("out", got, want, "sparse_decode")
+        assert_close("lse", lse, want_lse, "lse")
+    assert len(decode_op._VALIDATED) >= 1
