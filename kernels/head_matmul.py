@@ -194,6 +194,10 @@ def bind_absorb_convert(out, req_id, block_table, slots, seq_lens, block_size):
     argument list only when the four tensors' shapes or strides differ from the last call's, and
     launches through a BoundLaunch; a misaligned pointer takes FastLaunch's own key."""
     last = [None, None, None]  # shapes and strides, the BoundLaunch, the ints around the tensors
+    # the fixed tensors' addresses, for the compiled launcher (BoundLaunch.launch; this closure
+    # holds the tensors)
+    p_out, p_req, p_table, p_slots, p_lens = (t.data_ptr() for t in (out, req_id, block_table, slots,
+                                                                      seq_lens))
 
     def run(x, w, tail, token_indices):
         sig = (x.shape, x.stride(), w.shape, w.stride(), tail.shape, tail.stride(),
@@ -208,7 +212,10 @@ def bind_absorb_convert(out, req_id, block_table, slots, seq_lens, block_size):
                 return
             last[:] = sig, BoundLaunch(_PROLOGUE, lkey, grid, **consts), (args[4:19], args[24:])
         _, go, (mid, end) = last
-        go(x, w, tail, out, *mid, req_id, block_table, token_indices, slots, seq_lens, *end)
+        if go.ready():
+            go.launch(x, w, tail, p_out, *mid, p_req, p_table, token_indices, p_slots, p_lens, *end)
+        else:
+            go(x, w, tail, out, *mid, req_id, block_table, token_indices, slots, seq_lens, *end)
     return run
 
 
@@ -216,6 +223,7 @@ def bind_head_matmul(x):
     """head_matmul(x, w, out=out) without its checks and with x fixed (mla.sparse.impl: a decode
     step's latent output buffer): returns `run(w, out)`, built as bind_absorb_convert's."""
     last = [None, None, None]
+    p_x = x.data_ptr()  # for the compiled launcher, as in bind_absorb_convert
 
     def run(w, out):
         sig = (w.shape, w.stride(), out.shape, out.stride())
@@ -227,7 +235,10 @@ def bind_head_matmul(x):
                 return
             last[:] = sig, BoundLaunch(_KERNEL, lkey, grid, **consts), args[4:]
         _, go, ints = last
-        go(x, w, x, out, *ints)
+        if go.ready():
+            go.launch(p_x, w, p_x, out, *ints)
+        else:
+            go(x, w, x, out, *ints)
     return run
 
 

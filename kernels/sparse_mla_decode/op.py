@@ -306,15 +306,31 @@ def bind_layer(plan, q, indices, out, scratch, fmt):
         mgrid, mconsts = merge
         margs = (po, plse, lse, out, lse, H, num_splits, so[0], so[1])
         merged = BoundLaunch(_MERGE, lkey, mgrid, **mconsts)
+    # the same arguments with the step's buffers as their addresses, for the compiled launchers
+    # (BoundLaunch.launch; this closure holds the tensors)
+    q_ptr, mid_ptrs = q.data_ptr(), _ptrs(mid)
+    margs_ptrs = _ptrs(margs) if num_splits > 1 else None
 
     def run(cache, scale):
         if cache.data_ptr() & 15:
             return unbound(cache, scale)
-        decode(q, cache, *mid, float(scale) * LOG2E)
+        s = float(scale) * LOG2E
+        if decode.ready():
+            decode.launch(q_ptr, cache, *mid_ptrs, s)
+        else:
+            decode(q, cache, *mid, s)
         if num_splits > 1:
-            merged(*margs)
+            if merged.ready():
+                merged.launch(*margs_ptrs)
+            else:
+                merged(*margs)
         return lse
     return run
+
+
+def _ptrs(args) -> tuple:
+    """args with each tensor replaced by its address (BoundLaunch.launch's int pointers)."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _merge_plan(T, H, num_splits, has_sink, fmt, sms, inf_empty=False):

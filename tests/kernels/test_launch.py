@@ -124,6 +124,42 @@ def test_bound_launch_goes_to_the_cached_launcher(monkeypatch):
     hooked[0] = False
     go(5, 5)
     assert calls[-1] == (5, 2, 1, 103, "h", 5, 5, "f")
+    assert go.ready()  # launch: the compiled launcher's call, whatever the arguments
+    go.launch(0x7000, 4)
+    assert calls[-1] == (5, 2, 1, 103, "h", 0x7000, 4, "f") and len(keyed) == 3
+    hooked[0] = True
+    assert not go.ready()
+    device[0], hooked[0] = 4, False
+    assert not go.ready()
+
+
+def test_bound_layer_passes_its_step_buffers_as_addresses(monkeypatch):
+    """op.bind_layer's run, where the compiled launchers are at hand (BoundLaunch.ready): the
+    decode gets q and the step buffers (slots, lse, out, partials) as their data_ptr() and the
+    layer's cache as the tensor; the merge only addresses; otherwise (here: the interpreter) the
+    tensors themselves go through Triton's path."""
+    import openmla.kernels.launch as L
+    from openmla.kernels.sparse_mla_decode import op
+    from openmla.quant import FP8_DS_MLA
+    from tests.kernels.test_sparse_mla_decode import make_inputs
+
+    q, cache, idx = make_inputs("fp8", 1, 16, 200, 8, 64, seed=3)
+    plan, lse_shape, parts = op.layer_plan(q, cache, idx, FP8_DS_MLA)
+    assert parts is not None  # a split plan: decode and merge
+    scratch = (torch.empty(lse_shape), torch.empty(parts[0]), torch.empty(parts[1]))
+    out = torch.empty(1, 16, 512, dtype=torch.bfloat16)
+    run = op.bind_layer(plan, q, idx, out, scratch, FP8_DS_MLA)
+    got = []
+    monkeypatch.setattr(L.BoundLaunch, "ready", lambda self: True)
+    monkeypatch.setattr(L.BoundLaunch, "launch", lambda self, *a: got.append(a))
+    run(cache, 0.1)
+    (dec, mrg) = got
+    lse, po, plse = scratch
+    assert dec[0] == q.data_ptr() and dec[1] is cache
+    assert dec[2:9] == (idx.data_ptr(), lse.data_ptr(), lse.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                        po.data_ptr(), plse.data_ptr())
+    assert not any(isinstance(a, torch.Tensor) for a in dec[2:] + mrg)
+    assert mrg[:5] == (po.data_ptr(), plse.data_ptr(), lse.data_ptr(), out.data_ptr(), lse.data_ptr())
 
 
 def test_bound_launch_of_an_interpreted_kernel_always_takes_keyed(monkeypatch):
