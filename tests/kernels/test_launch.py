@@ -143,11 +143,11 @@ def test_bound_layer_passes_its_step_buffers_as_addresses(monkeypatch):
     from openmla.quant import FP8_DS_MLA
     from tests.kernels.test_sparse_mla_decode import make_inputs
 
-    q, cache, idx = make_inputs("fp8", 1, 16, 200, 8, 64, seed=3)
+    q, cache, idx = make_inputs("fp8", 1, 16, 2048 if DEVICE == "cuda" else 200, 64, 64, seed=3)
     plan, lse_shape, parts = op.layer_plan(q, cache, idx, FP8_DS_MLA)
     assert parts is not None  # a split plan: decode and merge
-    scratch = (torch.empty(lse_shape), torch.empty(parts[0]), torch.empty(parts[1]))
-    out = torch.empty(1, 16, 512, dtype=torch.bfloat16)
+    scratch = tuple(torch.empty(s, device=DEVICE) for s in (lse_shape, *parts))
+    out = torch.empty(1, 16, 512, dtype=torch.bfloat16, device=DEVICE)
     run = op.bind_layer(plan, q, idx, out, scratch, FP8_DS_MLA)
     got = []
     monkeypatch.setattr(L.BoundLaunch, "ready", lambda self: True)
