@@ -46,13 +46,16 @@ def _numel(shape) -> int:
 
 def partials(pid, device: torch.device, shapes) -> tuple:
     """fp32 tensors of `shapes` (contiguous, disjoint) for the plan numbered `pid` (a number from
-    PLAN_IDS, whose plan asks for these shapes on every call): views of this stream's and thread's buffer, the same tensors on every call
-    while the buffer stands; new allocations while the current CUDA stream is being captured."""
+    PLAN_IDS, whose plan asks for these shapes on every call): views of this stream's and thread's
+    buffer, the same tensors on every call while the buffer stands; new allocations while the
+    current CUDA stream is being captured."""
     cuda = device.type == "cuda"
     if cuda and _capturing():
         return tuple(torch.empty(s, dtype=torch.float32, device=device) for s in shapes)
-    where = (device, _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
-             if cuda else None, threading.get_ident())
+    stream = None
+    if cuda:
+        stream = _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    where = (device, stream, threading.get_ident())
     buf = _BUFS.get(where)
     hit = _VIEWS.get((pid, where))
     if hit is not None and hit[0] is buf:
@@ -62,8 +65,8 @@ def partials(pid, device: torch.device, shapes) -> tuple:
     if buf is None or buf.numel() < need:
         # a larger buffer: the views of the old one go with it (their memory returns to the
         # caching allocator, for this stream, once the calls that hold them are done with it)
-        for key in [k for k in _VIEWS if k[1] == where]:
-            del _VIEWS[key]
+        for key in [k for k in list(_VIEWS) if k[1] == where]:  # (list(): one step under the GIL)
+            _VIEWS.pop(key, None)
         buf = _BUFS[where] = torch.empty((need,), dtype=torch.float32, device=device)
     views, off = [], 0
     for shape, size in zip(shapes, sizes):

@@ -646,7 +646,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         # (the signature names the format argument and the architecture by identity: the entry
         # keeps both alive, so no other object takes their ids while it exists)
         # (a call without `out` gets a new contiguous one: the same strides on every such call)
-        layout = (T, H, q.stride(0), q.stride(1), indices.stride(0), out.stride(0), out.stride(1), (T, H))
+        layout = (T, H, q.stride(0), q.stride(1), indices.stride(0), out.stride(0), out.stride(1),
+                  (T, H))
         _VALIDATED.remember(sig, (fmt, plan, fmt_arg, arch_of(q.device), bind_call(plan, fmt, layout)))
         lse = run_plan(plan, q, cache, indices, topk_length, attn_sink, out, float(scale), fmt)
     else:
