@@ -194,7 +194,7 @@ def bind_absorb_convert(out, req_id, block_table, slots, seq_lens, block_size):
     argument list only when the four tensors' shapes or strides differ from the last call's, and
     launches through a BoundLaunch; a misaligned pointer takes FastLaunch's own key."""
     last = [None, None, None]  # shapes and strides, the BoundLaunch, the ints around the tensors
-    # the fixed tensors' addresses, for the compiled launcher (BoundLaunch.launch; this closure
+    # the fixed tensors' addresses, for the compiled launcher (BoundLaunch.try_launch; this closure
     # holds the tensors)
     p_out, p_req, p_table, p_slots, p_lens = (t.data_ptr() for t in (out, req_id, block_table, slots,
                                                                       seq_lens))
@@ -212,9 +212,8 @@ def bind_absorb_convert(out, req_id, block_table, slots, seq_lens, block_size):
                 return
             last[:] = sig, BoundLaunch(_PROLOGUE, lkey, grid, **consts), (args[4:19], args[24:])
         _, go, (mid, end) = last
-        if go.ready():
-            go.launch(x, w, tail, p_out, *mid, p_req, p_table, token_indices, p_slots, p_lens, *end)
-        else:
+        if not go.try_launch(x, w, tail, p_out, *mid, p_req, p_table, token_indices, p_slots, p_lens,
+                             *end):
             go(x, w, tail, out, *mid, req_id, block_table, token_indices, slots, seq_lens, *end)
     return run
 
@@ -235,9 +234,7 @@ def bind_head_matmul(x):
                 return
             last[:] = sig, BoundLaunch(_KERNEL, lkey, grid, **consts), args[4:]
         _, go, ints = last
-        if go.ready():
-            go.launch(p_x, w, p_x, out, *ints)
-        else:
+        if not go.try_launch(p_x, w, p_x, out, *ints):
             go(x, w, x, out, *ints)
     return run
 

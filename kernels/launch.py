@@ -192,22 +192,22 @@ class BoundLaunch:
         self._entry = None  # (call, head, fill, device) once the kernel is compiled and cached
 
     def __call__(self, *args):
-        if self.ready():
-            self.launch(*args)
+        if self.try_launch(*args):
             return
         self._fast.keyed(self._key, self._grid, *args, **self._kwargs)
         if self._entry is None:
             self._entry = self._fast.cached(self._key)
 
-    def ready(self) -> bool:
-        """Whether a call now goes straight to the compiled launcher (`launch` may be called)."""
+    def try_launch(self, *args) -> bool:
+        """The compiled launcher's call, when a call now goes straight to it (False, and nothing
+        launched, otherwise: before the first call, under a launch hook, on another device).
+        Unlike Triton's path it also takes a pointer argument as an int (a data_ptr() the caller
+        keeps valid by holding the tensor): the launcher then skips that argument's data_ptr()
+        call and its cuPointerGetAttribute check (a decode step's layers pass their fixed step
+        buffers so, and fall back to `self(*tensors)` when this says False)."""
         e = self._entry
-        return e is not None and not _hooked() and _current_device() == e[3]
-
-    def launch(self, *args):
-        """The compiled launcher's call, right after `ready()` said True. Unlike Triton's path it
-        also takes a pointer argument as an int (a data_ptr() the caller keeps valid by holding the
-        tensor): the launcher then skips that argument's data_ptr() call and its
-        cuPointerGetAttribute check (a decode step's layers pass their fixed step buffers so)."""
-        call, head, fill, device = self._entry
+        if e is None or _hooked() or _current_device() != e[3]:
+            return False
+        call, head, fill, device = e
         call(self._g0, self._g1, self._g2, _raw_stream(device), *head, *args, *fill)
+        return True

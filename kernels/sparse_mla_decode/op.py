@@ -307,7 +307,7 @@ def bind_layer(plan, q, indices, out, scratch, fmt):
         margs = (po, plse, lse, out, lse, H, num_splits, so[0], so[1])
         merged = BoundLaunch(_MERGE, lkey, mgrid, **mconsts)
     # the same arguments with the step's buffers as their addresses, for the compiled launchers
-    # (BoundLaunch.launch; this closure holds the tensors)
+    # (BoundLaunch.try_launch; this closure holds the tensors)
     q_ptr, mid_ptrs = q.data_ptr(), _ptrs(mid)
     margs_ptrs = _ptrs(margs) if num_splits > 1 else None
 
@@ -315,21 +315,16 @@ def bind_layer(plan, q, indices, out, scratch, fmt):
         if cache.data_ptr() & 15:
             return unbound(cache, scale)
         s = float(scale) * LOG2E
-        if decode.ready():
-            decode.launch(q_ptr, cache, *mid_ptrs, s)
-        else:
+        if not decode.try_launch(q_ptr, cache, *mid_ptrs, s):
             decode(q, cache, *mid, s)
-        if num_splits > 1:
-            if merged.ready():
-                merged.launch(*margs_ptrs)
-            else:
-                merged(*margs)
+        if num_splits > 1 and not merged.try_launch(*margs_ptrs):
+            merged(*margs)
         return lse
     return run
 
 
 def _ptrs(args) -> tuple:
-    """args with each tensor replaced by its address (BoundLaunch.launch's int pointers)."""
+    """args with each tensor replaced by its address (BoundLaunch.try_launch's int pointers)."""
     return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 

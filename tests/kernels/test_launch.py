@@ -124,17 +124,17 @@ def test_bound_launch_goes_to_the_cached_launcher(monkeypatch):
     hooked[0] = False
     go(5, 5)
     assert calls[-1] == (5, 2, 1, 103, "h", 5, 5, "f")
-    assert go.ready()  # launch: the compiled launcher's call, whatever the arguments
-    go.launch(0x7000, 4)
+    assert go.try_launch(0x7000, 4)  # the compiled launcher's call, whatever the arguments
     assert calls[-1] == (5, 2, 1, 103, "h", 0x7000, 4, "f") and len(keyed) == 3
     hooked[0] = True
-    assert not go.ready()
+    assert not go.try_launch(1, 1)
     device[0], hooked[0] = 4, False
-    assert not go.ready()
+    assert not go.try_launch(1, 1)
+    assert len(calls) == 3 and len(keyed) == 3  # nothing launched by a refused try
 
 
 def test_bound_layer_passes_its_step_buffers_as_addresses(monkeypatch):
-    """op.bind_layer's run, where the compiled launchers are at hand (BoundLaunch.ready): the
+    """op.bind_layer's run, where the compiled launchers are at hand (BoundLaunch.try_launch): the
     decode gets q and the step buffers (slots, lse, out, partials) as their data_ptr() and the
     layer's cache as the tensor; the merge only addresses; otherwise (here: the interpreter) the
     tensors themselves go through Triton's path."""
@@ -150,8 +150,7 @@ def test_bound_layer_passes_its_step_buffers_as_addresses(monkeypatch):
     out = torch.empty(1, 16, 512, dtype=torch.bfloat16, device=DEVICE)
     run = op.bind_layer(plan, q, idx, out, scratch, FP8_DS_MLA)
     got = []
-    monkeypatch.setattr(L.BoundLaunch, "ready", lambda self: True)
-    monkeypatch.setattr(L.BoundLaunch, "launch", lambda self, *a: got.append(a))
+    monkeypatch.setattr(L.BoundLaunch, "try_launch", lambda self, *a: got.append(a) or True)
     run(cache, 0.1)
     (dec, mrg) = got
     lse, po, plse = scratch
