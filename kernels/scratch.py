@@ -18,6 +18,7 @@ Memory: one buffer per (device, stream, thread), the largest partials of any cal
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 
 import torch
@@ -37,13 +38,6 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def partials(pid, device: torch.device, shapes) -> tuple:
     """fp32 tensors of `shapes` (contiguous, disjoint) for the plan numbered `pid` (a number from
     PLAN_IDS, whose plan asks for these shapes on every call): views of this stream's and thread's
@@ -60,7 +54,7 @@ def partials(pid, device: torch.device, shapes) -> tuple:
     hit = _VIEWS.get((pid, where))
     if hit is not None and hit[0] is buf:
         return hit[1]
-    sizes = [-(-_numel(s) // _ALIGN) * _ALIGN for s in shapes]
+    sizes = [-(-math.prod(s) // _ALIGN) * _ALIGN for s in shapes]
     need = sum(sizes)
     if buf is None or buf.numel() < need:
         # a larger buffer: the views of the old one go with it (their memory returns to the
@@ -70,7 +64,7 @@ def partials(pid, device: torch.device, shapes) -> tuple:
         buf = _BUFS[where] = torch.empty((need,), dtype=torch.float32, device=device)
     views, off = [], 0
     for shape, size in zip(shapes, sizes):
-        views.append(buf[off:off + _numel(shape)].view(shape))
+        views.append(buf[off:off + math.prod(shape)].view(shape))
         off += size
     if len(_VIEWS) >= _MAX_VIEWS:  # plans that never repeat: start over
         _VIEWS.clear()

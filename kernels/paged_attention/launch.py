@@ -7,13 +7,13 @@ kernel finds request r's keys as a `_KeySource`, and `_make_plan` turns that and
 a `_Plan`: the grid, the split count, every int argument and constexpr of both launches.
 
 A plan depends only on what its key holds (shapes, strides, dtypes, the format's flags, which
-optional inputs are given, the score options' flags, max_q / max_kv / num_splits, the device and
-its architecture), so it is made once per call signature and reused: a decode step repeats the
-same call in every layer. Per call only the pointers and the two float scales are new (the split
-partials are views of the stream's reusable scratch, kernels/scratch.py). Short queries (decode, speculative decoding) launch through
-`kernels.launch.FastLaunch` (their BLOCK_M is the plan's BLOCK_M_WANT, so their grid is known
-before the launch); long queries through Triton's own launch, whose grid follows the BLOCK_M
-that autotuning picks.
+optional inputs are given, the score options' flags, max_q / max_kv / num_splits, the device and its
+architecture), so it is made once per call signature and reused: a decode step repeats the same call
+in every layer. Per call only the pointers and the two float scales are new (the split partials are
+views of the stream's reusable scratch, kernels/scratch.py). Short queries (decode, speculative
+decoding) launch through `kernels.launch.FastLaunch` (their BLOCK_M is the plan's BLOCK_M_WANT, so
+their grid is known before the launch); long queries through Triton's own launch, whose grid follows
+the BLOCK_M that autotuning picks.
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ class _Plan(NamedTuple):
     reduce_ints: tuple  # the reduction's ints after its four pointers
     reduce_consts: dict
     flags: Optional[tuple]  # key_flags.py's pass: (bytes, grid, ints, constexprs), or None
-    pid: int  # a number no other plan of any op has (scratch.PLAN_IDS): keys its launches and scratch
+    pid: int  # a number no plan of any op shares (scratch.PLAN_IDS): keys its launches and scratch
 
 
 def _plan(T: int, R: int, H_kv: int, gqa: int, max_q: int, max_kv: int, num_sms: int,

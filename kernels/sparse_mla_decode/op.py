@@ -1,15 +1,15 @@
 """Sparse MLA decode over a paged latent cache (fp8_ds_mla, bf16 or MODEL1), any H 1..128, any
 topk, optionally joined by an extra cache: the public op, its dispatch and plans.
 
-The portable Triton kernel (kernels/sparse_mla_decode/triton_kernel.py) serves fp8_ds_mla and
-bf16 caches on every GPU. On Hopper, fp8 caches go to Gluon kernels with the same contract: more
-than 32 heads to kernels/sparse_mla_decode/sm90.py (64-head wgmma tiles, score tile split over the
-warpgroups, row bytes gathered a step ahead; not where tokens x 64-head blocks <= sm90.FEW_BLOCKS,
-a batch of one or two, which the Triton kernel's 32-head blocks serve faster), up to 32 heads to kernels/sparse_mla_decode/sm90_kn.py
-(keys on the wgmma M, K and V^T register operands built from the bytes, a producer warpgroup
-gathering); bf16 caches with more than 16 heads, or at most 32 tokens, to
-kernels/sparse_mla_decode/sm90_bf16.py (64-head blocks, rows copied to shared memory by cp.async as
-they are); the Triton kernel serves everything else. MODEL1 (DeepSeek-V4) caches go to
+The portable Triton kernel (kernels/sparse_mla_decode/triton_kernel.py) serves fp8_ds_mla and bf16
+caches on every GPU. On Hopper, fp8 caches go to Gluon kernels with the same contract: more than 32
+heads to kernels/sparse_mla_decode/sm90.py (64-head wgmma tiles, score tile split over the
+warpgroups, row bytes gathered a step ahead; not where tokens x 64-head blocks <= sm90.FEW_BLOCKS, a
+batch of one or two, which the Triton kernel's 32-head blocks serve faster), up to 32 heads to
+kernels/sparse_mla_decode/sm90_kn.py (keys on the wgmma M, K and V^T register operands built from
+the bytes, a producer warpgroup gathering); bf16 caches with more than 16 heads, or at most 32
+tokens, to kernels/sparse_mla_decode/sm90_bf16.py (64-head blocks, rows copied to shared memory by
+cp.async as they are); the Triton kernel serves everything else. MODEL1 (DeepSeek-V4) caches go to
 kernels/sparse_mla_decode/model1_kernel.py on every GPU, with or without the extra cache (its
 programs walk the main list, then the extra one, in one softmax), and on Hopper at every head count
 to its Gluon counterpart kernels/sparse_mla_decode/sm90_model1.py (64-head blocks, bf16 K
@@ -72,13 +72,12 @@ def _new_plan(key, make, *args):
     return plan
 
 
-def _partials(lse, num_splits, fmt, always=False, shape=None):
+def _partials(lse, num_splits, fmt, always=False):
     """Per-split partial out [T, S, H, d_v] and lse [T, S, H] (fp32) for the merge; lse itself as
-    a placeholder (never written) when one split writes the output directly. shape: (T, H) when
-    lse is not [T, H] (run_plan's layout)."""
+    a placeholder (never written) when one split writes the output directly."""
     if num_splits == 1 and not always:
         return lse, lse
-    T, H = shape or lse.shape
+    T, H = lse.shape
     return (torch.empty((T, num_splits, H, fmt.latent_dim), dtype=torch.float32, device=lse.device),
             torch.empty((T, num_splits, H), dtype=torch.float32, device=lse.device))
 
