@@ -20,7 +20,7 @@ softmax with a sink and the fault marking they share.
 """
 from openmla.kernels.reference.sparse import head_matmul_ref, sparse_mla_ref, sparse_mla_decode_ref
 from openmla.kernels.reference.mha import attention_varlen_ref, local_attention_ref, paged_attention_ref
-from openmla.kernels.reference.merge import convert_req_index_ref, merge_attn_states_ref
+from openmla.kernels.reference.merge import convert_req_index_ref, merge_attn_states_ref, merge_project_ref
 from openmla.kernels.reference.indexer import (decode_row_ends_ref, indexer_q_quant_ref, indexer_topk_ref,
                                               mqa_logits_ref, paged_mqa_logits_ref, topk_per_row_ref)
 
@@ -32,6 +32,7 @@ __all__ = [
     "attention_varlen_ref",
     "local_attention_ref",
     "merge_attn_states_ref",
+    "merge_project_ref",
     "convert_req_index_ref",
     "indexer_q_quant_ref",
     "mqa_logits_ref",

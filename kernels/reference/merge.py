@@ -7,6 +7,7 @@ import torch
 
 from openmla.quant.validate import check_tensor
 from openmla.kernels.reference._common import _FLOATS, _NEG_INF, _nan_faults
+from openmla.kernels.reference.sparse import head_matmul_ref
 
 def merge_attn_states_ref(a_out, a_lse, b_out, b_lse):
     """Merge two partial attention results over disjoint key sets.
@@ -42,6 +43,25 @@ def merge_attn_states_ref(a_out, a_lse, b_out, b_lse):
     out, lse = out.float(), lse.float()
     _nan_faults(bad, out, lse)
     return out, lse
+
+
+def merge_project_ref(po, plse, w):
+    """A split decode's partials merged, then projected per head (kernels.merge_project).
+
+    po: [T, S, H, D], plse: [T, S, H] (splits as merge_attn_states_ref's parts, folded one after
+    another), w: [H, D, N]. Returns float32 [T, H, N]: the merged latent x [T, H, D] rounded to
+    w's dtype (the latent output's rounding), then head_matmul_ref(x, w). A row whose merge is
+    NaN (a faulty non-empty split) is NaN; a row of empty splits projects zeros.
+    """
+    check_tensor("po", po, dtype=_FLOATS, ndim=4)
+    T, S, H, D = po.shape
+    check_tensor("plse", plse, dtype=_FLOATS, shape=(T, S, H), device=po.device)
+    check_tensor("w", w, dtype=_FLOATS, shape=(H, D, None))
+    x = torch.zeros(T, H, D, dtype=torch.float32, device=po.device)
+    lse = torch.full((T, H), _NEG_INF, dtype=torch.float32, device=po.device)
+    for s in range(S):
+        x, lse = merge_attn_states_ref(x, lse, po[:, s], plse[:, s])
+    return head_matmul_ref(x.to(w.dtype), w)
 
 
 

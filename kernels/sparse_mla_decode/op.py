@@ -196,7 +196,7 @@ def layer_plan(q, cache, indices, fmt):
 
 
 def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, layout=None,
-             scratch=None):
+             scratch=None, merge=True):
     """One launch of `plan` (and its merge) on validated inputs with T >= 1; returns lse [T, H].
     The plan's number with q's, indices' and out's strides keys the launch when every pointer is
     16-byte aligned.
@@ -207,8 +207,10 @@ def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, l
     through the plan's strides, so any view of its memory serves.
     scratch: None, or (lse, partial out, partial lse) fp32 tensors of the shapes `layer_plan`
     gives (the partials None for one split), written instead of new allocations. Without it the
-    partials are this stream's reusable scratch (kernels/scratch.py) and lse a new tensor."""
-    kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
+    partials are this stream's reusable scratch (kernels/scratch.py) and lse a new tensor.
+    merge=False leaves a split plan's partials in `scratch` unmerged (out and lse not written; the
+    caller merges them: kernels.merge_project)."""
+    kernel, grid, ints, cache_strides, consts, num_splits, mplan, pid = plan
     if layout is None:
         T, H = q.shape[0], q.shape[1]
         sq, si, so = q.stride(), indices.stride(0), out.stride()
@@ -240,8 +242,8 @@ def run_plan(plan, q, cache, indices, topk_length, attn_sink, out, scale, fmt, l
         kernel.keyed(lkey, grid, *args, **consts)
     else:
         kernel(grid, *args, **consts)
-    if num_splits > 1:
-        _merge(po, plse, attn_sink, out, lse, fmt, lkey, merge, (so0, so1))
+    if num_splits > 1 and merge:
+        _merge(po, plse, attn_sink, out, lse, fmt, lkey, mplan, (so0, so1))
     return lse
 
 
@@ -279,14 +281,15 @@ def bind_call(plan, fmt, layout):
     return run
 
 
-def bind_layer(plan, q, indices, out, scratch, fmt):
-    """run_plan(plan, q, cache, indices, None, None, out, scale, fmt, scratch=scratch) with
-    everything but the cache and the scale fixed: returns `run(cache, scale) -> lse`, which makes
-    the same launches with an argument list built once. For a decode step's later layers
-    (mla.sparse.impl), whose q, slots, latent output and scratch are the step's buffers and whose
-    caches share the layout `plan` was made for (the plan fixes the cache's strides; the caller
-    guarantees them)."""
-    kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
+def bind_layer(plan, q, indices, out, scratch, fmt, merge=True):
+    """run_plan(plan, q, cache, indices, None, None, out, scale, fmt, scratch=scratch,
+    merge=merge) with everything but the cache and the scale fixed: returns `run(cache, scale) ->
+    lse`, which makes the same launches with an argument list built once. For a decode step's
+    layers (mla.sparse.impl), whose q, slots, latent output and scratch are the step's buffers
+    and whose caches share the layout `plan` was made for (the plan fixes the cache's strides; the
+    caller guarantees them)."""
+    kernel, grid, ints, cache_strides, consts, num_splits, mplan, pid = plan
+    merge = merge and num_splits > 1
     H = q.shape[1]
     sq, si, so = q.stride(), indices.stride(0), out.stride()
     lse, po, plse = scratch
@@ -294,21 +297,22 @@ def bind_layer(plan, q, indices, out, scratch, fmt):
         po = plse = lse
 
     def unbound(cache, scale):
-        return run_plan(plan, q, cache, indices, None, None, out, scale, fmt, scratch=scratch)
+        return run_plan(plan, q, cache, indices, None, None, out, scale, fmt, scratch=scratch,
+                        merge=merge)
     if (q.data_ptr() | indices.data_ptr() | out.data_ptr() | lse.data_ptr()) & 15:
         return unbound  # run_plan's own (unkeyed) launches
     # (lse stands in for the absent lengths and sink, as in run_plan)
     mid = (indices, lse, lse, out, lse, po, plse, *ints, sq[0], sq[1], *cache_strides, si, so[0], so[1])
     lkey = (pid, sq[0], sq[1], si, so[0], so[1])
     decode = BoundLaunch(kernel, lkey, grid, **consts)
-    if num_splits > 1:
-        mgrid, mconsts = merge
+    if merge:
+        mgrid, mconsts = mplan
         margs = (po, plse, lse, out, lse, H, num_splits, so[0], so[1])
         merged = BoundLaunch(_MERGE, lkey, mgrid, **mconsts)
     # the same arguments with the step's buffers as their addresses, for the compiled launchers
     # (BoundLaunch.try_launch; this closure holds the tensors)
     q_ptr, mid_ptrs = q.data_ptr(), _ptrs(mid)
-    margs_ptrs = _ptrs(margs) if num_splits > 1 else None
+    margs_ptrs = _ptrs(margs) if merge else None
 
     def run(cache, scale):
         if cache.data_ptr() & 15:
@@ -316,7 +320,7 @@ def bind_layer(plan, q, indices, out, scratch, fmt):
         s = float(scale) * LOG2E
         if not decode.try_launch(q_ptr, cache, *mid_ptrs, s):
             decode(q, cache, *mid, s)
-        if num_splits > 1 and not merged.try_launch(*margs_ptrs):
+        if merge and not merged.try_launch(*margs_ptrs):
             merged(*margs)
         return lse
     return run
@@ -515,6 +519,30 @@ def _check_cache(name, cache, fmt):
         fail(f"{name}.shape", "num_blocks >= 1 and block_size >= 1", tuple(cache.shape))
 
 
+def check_inputs(q, cache, indices, fmt):
+    """sparse_mla_decode's checks of q, the cache (in `fmt`, or the one its dtype and width name)
+    and indices; returns the format. The optional tensors, out and the devices are the caller's
+    to check (mla.sparse.impl runs this on a decode step's first layer, whose own launches
+    follow)."""
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3, last_dim_contiguous=True)
+    T, H, d_qk = q.shape
+    fmt = check_mla_format(cache, fmt)
+    if getattr(fmt, "blocked", False):
+        if (fmt.tile_size, fmt.rope_dim, fmt.latent_dim, fmt.scale_stride) != (64, 64, 512, 8):
+            raise NotImplementedError(f"sparse_mla_decode: format {fmt} (the MODEL1 kernel reads 64-wide "
+                                      "tiles, a 64-wide rope and 8 scale bytes a token)")
+    elif (fmt.latent_dim, fmt.rope_dim) != (_TILES * 128, 64) or (fmt.quantized and fmt.num_tiles != _TILES):
+        raise NotImplementedError(f"sparse_mla_decode: format {fmt} (the kernels read a {_TILES} x 128 "
+                                  "latent in 128-wide scale tiles and a 64-wide rope)")
+    if d_qk != fmt.head_dim:
+        fail("q.shape[-1]", fmt.head_dim, d_qk)
+    if not 1 <= H <= MAX_HEADS:
+        fail("q.shape[1] (heads)", f"1..{MAX_HEADS}", H)
+    _check_cache("cache", cache, fmt)
+    _check_indices("indices", indices, T)
+    return fmt
+
+
 def _check_indices(name, indices, T):
     check_tensor(name, indices, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
     if indices.shape[0] != T:
@@ -591,23 +619,9 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
             if out is None:
                 out = torch.empty((q.shape[0], q.shape[1], fmt.latent_dim), dtype=q.dtype, device=q.device)
             return out, run(q, cache, indices, topk_length, attn_sink, out, scale)
-    check_tensor("q", q, dtype=torch.bfloat16, ndim=3, last_dim_contiguous=True)
-    T, H, d_qk = q.shape
     fmt_arg = fmt
-    fmt = check_mla_format(cache, fmt)
-    if getattr(fmt, "blocked", False):
-        if (fmt.tile_size, fmt.rope_dim, fmt.latent_dim, fmt.scale_stride) != (64, 64, 512, 8):
-            raise NotImplementedError(f"sparse_mla_decode: format {fmt} (the MODEL1 kernel reads 64-wide "
-                                      "tiles, a 64-wide rope and 8 scale bytes a token)")
-    elif (fmt.latent_dim, fmt.rope_dim) != (_TILES * 128, 64) or (fmt.quantized and fmt.num_tiles != _TILES):
-        raise NotImplementedError(f"sparse_mla_decode: format {fmt} (the kernels read a {_TILES} x 128 "
-                                  "latent in 128-wide scale tiles and a 64-wide rope)")
-    if d_qk != fmt.head_dim:
-        fail("q.shape[-1]", fmt.head_dim, d_qk)
-    if not 1 <= H <= MAX_HEADS:
-        fail("q.shape[1] (heads)", f"1..{MAX_HEADS}", H)
-    _check_cache("cache", cache, fmt)
-    _check_indices("indices", indices, T)
+    fmt = check_inputs(q, cache, indices, fmt)
+    T, H, _ = q.shape
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(T,), contiguous=True)
     if extra_cache is None:

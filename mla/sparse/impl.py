@@ -27,7 +27,8 @@ import torch
 from openmla.kernels.index import convert_checked, convert_req_index_to_global
 from openmla.kernels.head_matmul import bind_absorb_convert, bind_head_matmul, head_matmul
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
-from openmla.kernels.sparse_mla_decode.op import bind_layer, layer_plan, run_plan
+from openmla.kernels.merge_project import bind_merge_project, fuses
+from openmla.kernels.sparse_mla_decode.op import bind_layer, check_inputs, layer_plan, run_plan
 from openmla.kernels.sparse_mla_prefill import sparse_mla_prefill
 from openmla.mla import D_QK, KV_LORA_RANK, ROPE_DIM
 from openmla.mla.absorb import split_kv_b_proj
@@ -207,20 +208,16 @@ class SparseMLAImpl:
             # (the unchecked launches need what head_matmul's checks ask of the weights too: a
             # layer whose weights were replaced by other tensors takes the checked path below)
             layer = self._decode_layer(cache, topk_indices, plan)
-            if layer is not None:  # a decode-only step after its first layer (_decode_layer)
-                bound = layer[3]
-                if bound is None:  # the launches bound to the step's buffers (kept with the record)
-                    q = plan.buffer("q", (T, H, D_QK), bf16)
-                    o_lat = plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16)
-                    bound = layer[3] = (
-                        bind_absorb_convert(q, plan.req_id_per_token, plan.block_table, layer[1],
-                                            plan.seq_lens, plan.block_size),
-                        bind_layer(layer[0], q, layer[1], o_lat, layer[2], self.cache_format),
-                        bind_head_matmul(o_lat))
-                absorb, decode, project = bound
-                # the absorption (rope tail included) and the index conversion in one launch, the
-                # decode (and its merge), the output projection
-                absorb(q_nope, W_UK, q_pe, topk_indices)
+            first = layer is None and T > 0 and self._layer_inputs_ok(cache, topk_indices, plan)
+            if first:  # the step's first layer of this cache layout: its prologue checked
+                layer = self._first_decode_layer(q_nope, q_pe, cache, topk_indices, plan)
+            if layer is not None:
+                absorb, decode, project = layer[3] or self._bind_decode_layer(layer, plan)
+                # the absorption (rope tail included) and the index conversion in one launch (the
+                # first layer ran them as the checked ops), the decode, then the output
+                # projection (with the split decode's merge at a few tokens)
+                if not first:
+                    absorb(q_nope, W_UK, q_pe, topk_indices)
                 decode(cache, self.scale)
                 if out is None:
                     out = torch.empty(T, H, v, dtype=bf16, device=dev)
@@ -332,11 +329,13 @@ class SparseMLAImpl:
 
     # ------------------------------------------------------------------ helpers
     # A decode-only step (every token through the decode kernel, no DCP) runs the same launches in
-    # every layer. The step's first layer of a cache layout runs the checked ops (the index
-    # conversion, sparse_mla_decode, head_matmul) and leaves in the step's plan what they chose:
-    # the decode op's launch plan and the step buffers (slots, lse, split partials). Later layers
-    # check their own tensors with forward's / forward_mqa's one-expression checks
-    # (`_layer_inputs_ok` for the cache and the indices) and launch directly.
+    # every layer. The step's first layer of a cache layout runs checked ops (forward: the
+    # absorption, the index conversion and sparse_mla_decode's input checks; forward_mqa: the
+    # conversion and sparse_mla_decode) and leaves in the step's plan the decode op's launch plan
+    # and the step buffers (slots, lse, split partials). Every later layer checks its own tensors
+    # with forward's / forward_mqa's one-expression checks (`_layer_inputs_ok` for the cache and
+    # the indices) and launches directly; forward's first layer makes the same decode and
+    # projection launches as its later ones, so all layers of a step compute alike.
     def _layer_key(self, cache, topk_indices, plan: SparseMLAPlan) -> tuple:
         capturing = plan.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         return ("decode layer", capturing, cache.shape, cache.stride(), cache.data_ptr() & 15 == 0,
@@ -359,7 +358,42 @@ class SparseMLAImpl:
         scratch = (plan.buffer("lse", lse_shape, torch.float32),
                    None if parts is None else plan.buffer("partial out", parts[0], torch.float32),
                    None if parts is None else plan.buffer("partial lse", parts[1], torch.float32))
-        plan.scratch[self._layer_key(cache, idx, plan)] = [launch, idx, scratch, None]
+        layer = plan.scratch[self._layer_key(cache, idx, plan)] = [launch, idx, scratch, None]
+        return layer
+
+    def _first_decode_layer(self, q_nope, q_pe, cache, topk_indices, plan: SparseMLAPlan):
+        """forward's first layer of a decode-only step and cache layout, its inputs passing
+        forward's and _layer_inputs_ok's expressions: the absorption and the index conversion as
+        the checked ops into the step's buffers, sparse_mla_decode's checks of the cache, and the
+        layer's record (_remember_decode_layer), whose launches run next as in every later
+        layer."""
+        T, H = plan.num_tokens, self.num_heads
+        q = plan.buffer("q", (T, H, D_QK), torch.bfloat16)
+        head_matmul(q_nope, self.W_UK, tail=q_pe, out=q)
+        idx = plan.buffer("slots", tuple(topk_indices.shape), torch.int32)
+        convert_req_index_to_global(plan.req_id_per_token, plan.block_table, topk_indices,
+                                    plan.block_size, seq_lens=plan.seq_lens, out=idx)
+        check_inputs(q, cache, idx, self.cache_format)
+        return self._remember_decode_layer(q, cache, idx, plan)
+
+    def _bind_decode_layer(self, layer, plan: SparseMLAPlan) -> tuple:
+        """forward's three launches bound to the step's buffers, kept as the record's last item:
+        the absorption with the index conversion, the decode, the projection. A split decode
+        where merge_project.fuses leaves its partials to merge_project, which merges and projects
+        in one launch; otherwise the decode (and its merge) writes the latent output and
+        head_matmul projects it."""
+        T, H, bf16 = plan.num_tokens, self.num_heads, torch.bfloat16
+        launch, idx, scratch, _ = layer
+        q = plan.buffer("q", (T, H, D_QK), bf16)
+        o_lat = plan.buffer("o_lat", (T, H, KV_LORA_RANK), bf16)
+        po, plse = scratch[1], scratch[2]
+        fused = po is not None and fuses(T, H, po.shape[1], KV_LORA_RANK)
+        layer[3] = (
+            bind_absorb_convert(q, plan.req_id_per_token, plan.block_table, idx, plan.seq_lens,
+                                plan.block_size),
+            bind_layer(launch, q, idx, o_lat, scratch, self.cache_format, merge=not fused),
+            bind_merge_project(po, plse) if fused else bind_head_matmul(o_lat))
+        return layer[3]
 
     def _run_decode_layer(self, layer, q, cache, topk_indices, plan: SparseMLAPlan, out):
         """The index conversion into the step's slots and the decode launch (checked inputs).

@@ -15,6 +15,7 @@ import itertools
 import torch
 
 from openmla.kernels.head_matmul import bind_absorb_convert, head_matmul
+from openmla.kernels.merge_project import merge_project
 from openmla.kernels.index import convert_req_index_to_global
 from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, topk_per_row
 from openmla.kernels.merge import merge_attn_states
@@ -238,6 +239,9 @@ def misc_cases():
                                                        tail=torch.zeros(1, 16, 64, dtype=BF16))
     yield "head_matmul-project-T64", lambda: head_matmul(torch.zeros(64, 16, 512, dtype=BF16),
                                                          torch.zeros(16, 512, 128, dtype=BF16))
+    # a split decode's merge with the output projection (a decode step at up to 4 tokens)
+    yield "merge_project-T1", lambda: merge_project(torch.zeros(1, 16, 16, 512), torch.zeros(1, 16, 16),
+                                                    torch.zeros(16, 512, 128, dtype=BF16))
     # the later layers' prologue of a decode step: the absorption and the index conversion
     yield "absorb_convert-T1", lambda: bind_absorb_convert(
         torch.zeros(1, 16, 576, dtype=BF16), _ints(1), _ints(1, 8), _ints(1, 2048), _ints(1), 64)(
@@ -287,7 +291,7 @@ CORE = (
     "paged-gqa4-d128-decode-bfloat16-int8_qkv",
     "write_kv_cache-bfloat16-fp8", "write_kv_cache-float16-int8_qk",
     "int8-per-token-head", "int8-per-channel", "merge-bfloat16", "index-workspace",
-    "head_matmul-absorb-T1", "head_matmul-project-T64", "absorb_convert-T1",
+    "head_matmul-absorb-T1", "head_matmul-project-T64", "absorb_convert-T1", "merge_project-T1",
     "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row", "decode_topk-split",
 )
 EXTRA = (

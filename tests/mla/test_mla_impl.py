@@ -18,6 +18,7 @@ output and the output are bf16), inside the "bf16" tolerance.
 import pytest
 import torch
 
+from openmla.kernels.merge_project import fuses
 from openmla.mla.absorb import attention_unabsorbed
 from openmla.mla.sparse.impl import SparseMLAImpl
 from tests.helpers import DEVICE, assert_close, random_paged_cache, shuffled_block_table
@@ -374,17 +375,20 @@ def test_indices_past_seq_len_are_skipped(kv, fp8_path, H, bs, ws):
 # ----------------------------------------------------------------------------------------------
 # a top-k the decode splits on every path (the CPU's 8 SMs and 64-key blocks; Hopper's 128-key blocks)
 SPLIT_TOPK = 520 if DEVICE == "cpu" else 1100
-LAYERS_CASES = [  # kv_cache_dtype, fp8_path, H, topk
-    pytest.param("bf16", None, 4, 40, id="bf16-H4"),
-    pytest.param("fp8_ds_mla", "mixed", 16, 40, id="fp8-mixed-H16"),
-    pytest.param("fp8_ds_mla", "separate", 8, 40, id="fp8-separate-H8"),
-    pytest.param("fp8_ds_mla", "mixed", 4, SPLIT_TOPK, id="fp8-mixed-H4-split"),
-    pytest.param("bf16", None, 2, SPLIT_TOPK, id="bf16-H2-split"),
+LAYERS_CASES = [  # kv_cache_dtype, fp8_path, H, topk, requests (one token each)
+    pytest.param("bf16", None, 4, 40, 4, id="bf16-H4"),
+    pytest.param("fp8_ds_mla", "mixed", 16, 40, 4, id="fp8-mixed-H16"),
+    pytest.param("fp8_ds_mla", "separate", 8, 40, 4, id="fp8-separate-H8"),
+    pytest.param("fp8_ds_mla", "mixed", 4, SPLIT_TOPK, 4, id="fp8-mixed-H4-split"),
+    pytest.param("bf16", None, 2, SPLIT_TOPK, 4, id="bf16-H2-split"),
+    # two tokens: the split's merge and the projection in one launch (merge_project)
+    pytest.param("fp8_ds_mla", "mixed", 4, SPLIT_TOPK, 2, id="fp8-mixed-H4-split-T2"),
+    pytest.param("bf16", None, 2, SPLIT_TOPK, 2, id="bf16-H2-split-T2"),
 ]
 
 
-@pytest.mark.parametrize("kv,fp8_path,H,topk", LAYERS_CASES)
-def test_layers_of_a_decode_step(kv, fp8_path, H, topk):
+@pytest.mark.parametrize("kv,fp8_path,H,topk,requests", LAYERS_CASES)
+def test_layers_of_a_decode_step(kv, fp8_path, H, topk, requests):
     g = torch.Generator().manual_seed(H)
     layers, weights = [], []
     for _ in range(3):
@@ -393,8 +397,8 @@ def test_layers_of_a_decode_step(kv, fp8_path, H, topk):
         impl.load_kv_b_proj(w8.to(DEVICE), s.to(DEVICE))
         layers.append(impl)
         weights.append(reference_weight(w8, s))
-    step = Step(layers[0], [(20, 1), (7, 1), (33, 1), (2, 1)], block_size=16, topk=topk, padding=0,
-                seed=H, empty_rows=[(3, 0)])
+    step = Step(layers[0], [(20, 1), (7, 1), (33, 1), (2, 1)][:requests], block_size=16, topk=topk,
+                padding=0, seed=H, empty_rows=[(requests - 1, 0)])
     plan = step.plan(layers[0], threshold=1)
     assert plan.is_decode_only and plan.num_decode_tokens == step.T
     # stale finite latents past each request's tokens in its last block (a freed block's old
@@ -413,6 +417,9 @@ def test_layers_of_a_decode_step(kv, fp8_path, H, topk):
     wide.copy_(step.cache)
     caches = [step.cache, wide, step.cache]
     all_idx, all_ref = step.topk_indices.cpu(), step.ref_idx
+    # the latent output buffer, which a split decode that merge_project fuses never writes (its
+    # partials are merged and projected in one launch)
+    o_lat = plan.buffer("o_lat", (R, H, L), torch.bfloat16).fill_(float("nan"))
     for i, (impl, cache) in enumerate(zip(layers, caches)):
         perm = torch.randperm(all_idx.shape[1], generator=g)
         drop = torch.rand(all_idx.shape, generator=g) < (0.34 if i else 0.0)
@@ -436,6 +443,9 @@ def test_layers_of_a_decode_step(kv, fp8_path, H, topk):
     assert len(records) == 2
     # the split cases run the decode in splits and its merge (the record keeps the partials)
     assert all((rec[2][1] is not None) == (topk == SPLIT_TOPK) for rec in records)
+    fused = topk == SPLIT_TOPK and fuses(R, H, records[0][2][1].shape[1], L)
+    assert fused == (topk == SPLIT_TOPK and requests == 2)
+    assert bool(o_lat.isnan().all()) == fused
     # a later layer's bad inputs still raise the named errors
     step.ref_idx = all_ref
     impl = layers[2]
