@@ -6,6 +6,8 @@ oracles of every op).
     paged_attention/       paged_attention (paged MHA/GQA cache), varlen_attention (contiguous k, v)
     cascade.py             cascade_attention: paged attention reading a shared prefix once
     merge.py               merge_attn_states: two partial results into one (vLLM's signature)
+    head_matmul.py         head_matmul: MLA's per-head projections (absorption, output)
+    merge_project.py       merge_project: a split decode's partials merged and projected (one launch)
     index.py               convert_req_index_to_global: per-request token indices -> cache slots
     indexer/               the DSA lightning indexer: paged_mqa_logits (decode), mqa_logits (ragged
                            prefill), topk_per_row / decode_topk (top-k per row, -1 filled)
