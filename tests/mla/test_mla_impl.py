@@ -453,6 +453,10 @@ def test_layers_of_a_decode_step(kv, fp8_path, H, topk, requests):
         impl.forward(step.q_nope, step.q_pe, step.cache, step.topk_indices.long(), plan)
     with pytest.raises(ValueError, match="cache"):
         impl.forward(step.q_nope, step.q_pe, step.cache[:, :8], step.topk_indices, plan)
+    # a cache layout of no record (the first layer's checks, sparse_mla_decode's): rows overlap
+    overlapping = step.cache.as_strided(step.cache.shape, (step.cache.stride(0), 8, 1))
+    with pytest.raises(ValueError, match=r"cache.stride\(1\)"):
+        impl.forward(step.q_nope, step.q_pe, overlapping, step.topk_indices, plan)
     with pytest.raises(ValueError, match="q_pe.dtype"):
         impl.forward(step.q_nope, step.q_pe.half(), step.cache, step.topk_indices, plan)
     with pytest.raises(ValueError, match="out"):
