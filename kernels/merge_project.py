@@ -116,8 +116,9 @@ def _args(po, plse, w, out):
     grid, consts = _plan(T, S, H, D, N, num_sms(po.device))
     args = (po, plse, w, out, S, H, N, w.stride(0), w.stride(1), out.stride(0), out.stride(1))
     aligned = (po.data_ptr() | plse.data_ptr() | w.data_ptr() | out.data_ptr()) & 15 == 0
-    # the sizes, the strides and the dtypes fix every specialization
-    key = (T, w.dtype, out.dtype, *args[4:]) if aligned else None
+    # the sizes (D too: a constexpr no stride need tell), the strides and the dtypes fix every
+    # specialization
+    key = (T, D, w.dtype, out.dtype, *args[4:]) if aligned else None
     return grid, args, consts, key
 
 

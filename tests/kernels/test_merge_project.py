@@ -74,6 +74,18 @@ def test_merge_project_matches_oracle(T, S, H, D, N):
     assert torch.equal(again.nan_to_num(7.0), got.nan_to_num(7.0))
 
 
+def test_merge_project_latent_widths_of_one_stride():
+    """Two latent widths whose weights share every stride (views of one buffer) and every other
+    size: each call is compiled for its own width (the launch key holds D)."""
+    g = torch.Generator().manual_seed(5)
+    T, S, H, N = 1, 4, 2, 16
+    buf = (torch.randn(H, 64, N, generator=g) * 0.2).bfloat16().to(DEVICE)
+    for D in (40, 48, 40):
+        po, plse = partials(T, S, H, D, g, empty=0.0)
+        w = buf[:, :D]
+        assert_close(f"out D={D}", merge_project(po, plse, w), merge_project_ref(po, plse, w), "bf16")
+
+
 def test_merge_project_checks():
     po = torch.randn(2, 3, 4, 16, device=DEVICE)
     plse = torch.randn(2, 3, 4, device=DEVICE)
