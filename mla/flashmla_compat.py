@@ -212,7 +212,7 @@ def flash_mla_with_kvcache(
             sig = hit = None
         if hit is not None and meta.config is hit[1]:
             # this signature passed every check below, and the op's, with this metadata object
-            fmt, plan, run = hit[0], hit[2], hit[5]
+            fmt, plan, run = hit[0], hit[2], hit[4]
             scale = (fmt.head_dim ** -0.5 if softmax_scale is None
                      else check_scale("softmax_scale", softmax_scale))
             if run is not None:  # the op's kernels on FlashMLA's tensors as they are
@@ -284,14 +284,14 @@ def flash_mla_with_kvcache(
     if sig is not None and not extra:  # remembered once the op's checks passed too
         plan = _plan(q, k_cache, indices, topk_length, attn_sink, fmt)
         layout = _direct_layout(q, k_cache, indices) if plan is not None else None
-        _CHECKED.remember(sig, (fmt, meta.config, plan, arch_of(q.device), layout,
+        _CHECKED.remember(sig, (fmt, meta.config, plan, arch_of(q.device),
                                 bind_call(plan, fmt, layout) if layout is not None else None))
     return result
 
 
 # call signature -> (format, the metadata's config, the op's launch plan or None, the architecture
-# the signature names by id, the plan's layout of FlashMLA's own tensors or None, the plan's call
-# bound to that layout (kernels.sparse_mla_decode.op.bind_call) or None) of decode calls
+# the signature names by id, the plan's call bound to its layout of FlashMLA's own tensors
+# (kernels.sparse_mla_decode.op.bind_call) or None) of decode calls
 # without an extra cache that passed flash_mla_with_kvcache's checks and the op's
 _CHECKED = CheckedCalls()
 

@@ -254,11 +254,11 @@ def bind_call(plan, fmt, layout):
     `run(q, cache, indices, topk_length, attn_sink, out, scale) -> lse`, which launches the same
     kernels through launchers bound once (kernels.launch.BoundLaunch) with the arguments that do
     not change built once; a call with a pointer off 16 bytes takes run_plan's unkeyed path."""
-    kernel, grid, ints, cache_strides, consts, num_splits, merge, pid = plan
+    kernel, grid, ints, cache_strides, consts, num_splits, mplan, pid = plan
     T, H, sq0, sq1, si, so0, so1, lse_shape = layout
     key = (pid, sq0, sq1, si, so0, so1)
     decode = BoundLaunch(kernel, key, grid, **consts)
-    merged = BoundLaunch(_MERGE, key, merge[0], **merge[1]) if num_splits > 1 else None
+    merged = BoundLaunch(_MERGE, key, mplan[0], **mplan[1]) if num_splits > 1 else None
     parts = ((T, num_splits, H, fmt.latent_dim), (T, num_splits, H))
     tail = (*ints, sq0, sq1, *cache_strides, si, so0, so1)
 

@@ -348,12 +348,11 @@ class SparseMLAImpl:
             return None
         return plan.scratch.get(self._layer_key(cache, topk_indices, plan))
 
-    def _remember_decode_layer(self, q, cache, idx, plan: SparseMLAPlan) -> None:
+    def _remember_decode_layer(self, q, cache, idx, plan: SparseMLAPlan) -> list:
         """After the checked ops ran on q, cache and the slots idx (a plan.buffer): keep the
-        decode op's launch plan and the step buffers it writes. The record's last item is filled
-        by forward's fast path: its three launches bound to the step's buffers (the absorption
-        with the index conversion, the decode, the projection: head_matmul.bind_absorb_convert,
-        op.bind_layer, head_matmul.bind_head_matmul)."""
+        decode op's launch plan and the step buffers it writes, and return that record. Its last
+        item is filled by forward (_bind_decode_layer): its three launches bound to the step's
+        buffers."""
         launch, lse_shape, parts = layer_plan(q, cache, idx, self.cache_format)
         scratch = (plan.buffer("lse", lse_shape, torch.float32),
                    None if parts is None else plan.buffer("partial out", parts[0], torch.float32),
