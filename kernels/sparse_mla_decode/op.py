@@ -7,9 +7,10 @@ heads to kernels/sparse_mla_decode/sm90.py (64-head wgmma tiles, score tile spli
 warpgroups, row bytes gathered a step ahead; not where tokens x 64-head blocks <= sm90.FEW_BLOCKS, a
 batch of one or two, which the Triton kernel's 32-head blocks serve faster), up to 32 heads to
 kernels/sparse_mla_decode/sm90_kn.py (keys on the wgmma M, K and V^T register operands built from
-the bytes, a producer warpgroup gathering); bf16 caches with more than 16 heads, or at most 32
-tokens, to kernels/sparse_mla_decode/sm90_bf16.py (64-head blocks, rows copied to shared memory by
-cp.async as they are); the Triton kernel serves everything else. MODEL1 (DeepSeek-V4) caches go to
+the bytes, a producer warpgroup gathering); bf16 caches, their rows copied to shared memory by
+cp.async as they are, up to 32 heads to kernels/sparse_mla_decode/sm90_bf16_kn.py (keys on the
+wgmma M, every operand from shared memory), more to kernels/sparse_mla_decode/sm90_bf16.py
+(64-head blocks); the Triton kernel serves everything else. MODEL1 (DeepSeek-V4) caches go to
 kernels/sparse_mla_decode/model1_kernel.py on every GPU, with or without the extra cache (its
 programs walk the main list, then the extra one, in one softmax), and on Hopper at every head count
 to its Gluon counterpart kernels/sparse_mla_decode/sm90_model1.py (64-head blocks, bf16 K
@@ -31,6 +32,7 @@ import triton
 
 from openmla.kernels.sparse_mla_decode import sm90 as _sm90
 from openmla.kernels.sparse_mla_decode import sm90_bf16 as _bf
+from openmla.kernels.sparse_mla_decode import sm90_bf16_kn as _bk
 from openmla.kernels.sparse_mla_decode import sm90_kn as _kn
 from openmla.kernels.sparse_mla_decode import sm90_model1 as _m1
 from openmla.kernels.sparse_mla_decode.config import (_M1_SPACE, _head_blocks, _pick_config, _splits,
@@ -62,6 +64,7 @@ _MERGE = FastLaunch(sparse_mla_decode_merge_kernel)
 _SM90 = FastLaunch(_sm90.sparse_mla_decode_sm90_kernel) if _sm90._GLUON else None
 _KN = FastLaunch(_kn.sparse_mla_decode_sm90_kn_kernel) if _kn._GLUON else None
 _BF = FastLaunch(_bf.sparse_mla_decode_sm90_bf16_kernel) if _bf._GLUON else None
+_BK = FastLaunch(_bk.sparse_mla_decode_sm90_bf16_kn_kernel) if _bk._GLUON else None
 
 
 def _new_plan(key, make, *args):
@@ -95,14 +98,17 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     few = T * triton.cdiv(H, _sm90.BLOCK_H) <= _sm90.FEW_BLOCKS
     sm90 = is_fp8 and H > 32 and not config and not few and _sm90.usable(q, cache)
     kn = is_fp8 and H <= _kn.MAX_HEADS and not config and _kn.usable(q, cache)
-    # Hopper, bf16 cache, more than 16 heads or at most 32 tokens: the Gluon kernel of bf16 rows
-    # (cp.async, 64 heads)
-    bf = not is_fp8 and _bf.serves(T, H) and not config and _bf.usable(q, cache)
+    # Hopper, bf16 cache: the Gluon kernels of bf16 rows (cp.async), keys on M up to 32 heads,
+    # 64-head blocks from 33
+    bk = not is_fp8 and H <= _bk.MAX_HEADS and not config and _bk.usable(q, cache)
+    bf = not is_fp8 and H >= _bf.MIN_HEADS and not config and _bf.usable(q, cache)
     if sm90:
         cfg = dict(BLOCK_H=_sm90.BLOCK_H, BLOCK_N=_sm90.BLOCK_N, occupancy=_sm90.OCCUPANCY,
                    one_round=True)
     elif bf:
         cfg = dict(BLOCK_H=_bf.BLOCK_H, BLOCK_N=_bf.BLOCK_N, occupancy=_bf.OCCUPANCY, one_round=True)
+    elif bk:
+        cfg = dict(BLOCK_H=_bk.block_h(H), BLOCK_N=_bk.BLOCK_N, occupancy=_bk.OCCUPANCY, one_round=True)
     elif kn:
         cfg = dict(BLOCK_H=_kn.block_h(H), BLOCK_N=_kn.BLOCK_N, occupancy=_kn.OCCUPANCY,
                    one_round=True)
@@ -134,6 +140,10 @@ def _plan_launch(q, cache, indices, topk_length, attn_sink, fmt, config, num_spl
     if bf:
         return (_BF, grid, ints, (stride_cb, stride_cr),
                 dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_bf.NUM_WARPS), num_splits,
+                merge, pid)
+    if bk:
+        return (_BK, grid, ints, (stride_cb, stride_cr),
+                dict(consts, BS_SHIFT=_kn.bs_shift(block_size), num_warps=_bk.NUM_WARPS), num_splits,
                 merge, pid)
     if kn:
         return (_KN, grid, ints, (stride_cb, stride_cr),

@@ -18,8 +18,8 @@ Why a kernel of its own: the portable Triton kernel (32-head blocks, row tiles t
 took 2x the fp8 Gluon kernel's time at 64 and 128 heads (docs/benchmarks.md), whereas a bf16 row
 needs no dequantization at all.
 
-Gluon runs on the GPU only (not in Triton's interpreter); `usable` says when it may run, `serves`
-at which shapes the planner (kernels/sparse_mla_decode/op.py) picks it. The CPU
+Gluon runs on the GPU only (not in Triton's interpreter); `usable` says when it may run; the
+planner (kernels/sparse_mla_decode/op.py) picks it from MIN_HEADS heads. The CPU
 suite compiles it for sm_90a (tests/kernels/test_sparse_mla_decode.py); the GPU suite checks it
 against the oracle like every other path.
 """
@@ -49,16 +49,9 @@ BLOCK_H = 64
 BLOCK_N = 64  # keys per step
 NUM_WARPS = 8
 OCCUPANCY = 1  # programs per SM, for the split rule
-# At most 16 heads and more than MAX_TOKENS_FEW_HEADS tokens run the Triton kernel: its 16-head
-# blocks pay no padding to 64 heads, which costs this kernel more than it saves once the tokens
-# alone fill the SMs (the A/B behind both numbers: docs/notes/sparse_mla_decode.md, "bf16 cache")
-MIN_HEADS = 17
-MAX_TOKENS_FEW_HEADS = 32
-
-
-def serves(T: int, H: int) -> bool:
-    """Whether a decode of T tokens x H heads (any cache layout `usable` accepts) runs here."""
-    return H >= MIN_HEADS or T <= MAX_TOKENS_FEW_HEADS
+# At most this many heads run the keys-on-M kernel (sm90_bf16_kn.py) instead: padded to 64 heads
+# here, their score and value work is 2-4x what they need (docs/notes/sparse_mla_decode.md)
+MIN_HEADS = 33
 
 
 def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from openmla.kernels.reference import sparse_mla_decode_ref
 from openmla.kernels.sparse_mla_decode import sm90 as sm90
 from openmla.kernels.sparse_mla_decode import sm90_kn as sm90_kn
 from openmla.kernels.sparse_mla_decode import sm90_bf16 as sm90_bf16
+from openmla.kernels.sparse_mla_decode import sm90_bf16_kn
 from openmla.kernels import device
 from openmla.kernels.sparse_mla_decode import op as decode_op
 from openmla.kernels.sparse_mla_decode.op import _launch, sparse_mla_decode
@@ -364,15 +365,15 @@ def test_sm90_kernel_compiles():
 @pytest.mark.parametrize("fmt,T,H,kernel", [
     ("fp8", 1, 128, "_TRITON"), ("fp8", 2, 64, "_TRITON"), ("fp8", 2, 65, "_SM90"),
     ("fp8", 3, 33, "_SM90"), ("fp8", 1, 32, "_KN"), ("fp8", 9, 1, "_KN"),
-    ("bf16", 1, 1, "_BF"), ("bf16", 32, 16, "_BF"), ("bf16", 33, 16, "_TRITON"), ("bf16", 33, 17, "_BF"),
-    ("bf16", 40, 128, "_BF"),
+    ("bf16", 1, 1, "_BK"), ("bf16", 32, 16, "_BK"), ("bf16", 200, 16, "_BK"), ("bf16", 2, 32, "_BK"),
+    ("bf16", 2, 33, "_BF"), ("bf16", 40, 128, "_BF"),
 ])
 def test_hopper_kernel_choice(fmt, T, H, kernel, monkeypatch):
     """Which kernel a Hopper plan launches (the plan only; nothing runs): fp8 with more than 32
     heads on the 64-head Gluon kernel from three (token, 64-head block) pairs (sm90.FEW_BLOCKS),
-    else on the Triton kernel; at most 32 heads on the keys-on-M kernel; bf16 on its Gluon kernel
-    at more than 16 heads or at most 32 tokens (sm90_bf16.serves), else on the Triton kernel. A
-    Triton without Gluon has no Hopper kernels: there every plan is the Triton kernel's."""
+    else on the Triton kernel; at most 32 heads on the keys-on-M kernel; bf16 up to 32 heads on its
+    keys-on-M kernel (sm90_bf16_kn), more on its 64-head kernel. A Triton without Gluon has no
+    Hopper kernels: there every plan is the Triton kernel's."""
     monkeypatch.delenv("OPENMLA_SM90_GLUON", raising=False)
     if not sm90_bf16._GLUON:
         kernel = "_TRITON"
@@ -398,6 +399,28 @@ def test_sm90_bf16_kernel_compiles(split):
         ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90_bf16.NUM_WARPS)
     assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= (8 if split else 0), got
     assert got["hgmma"] > 0 and got["ldgsts128"] == got["ldgsts"] == 2 * 18, got
+
+
+@pytest.mark.skipif(not sm90_bf16_kn._GLUON, reason="this Triton has no Gluon (before 3.5): there is no "
+                                                      "sm_90 kernel to compile, the Triton kernel serves Hopper")
+@pytest.mark.parametrize("block_h,split", [(16, False), (16, True), (32, False), (32, True)],
+                         ids=["H16-one-split", "H16-split", "H32-one-split", "H32-split"])
+def test_sm90_bf16_kn_kernel_compiles(block_h, split):
+    """The bf16-cache keys-on-M kernel, compiled for sm_90a on the CPU: shared memory fits, its
+    rows move by 16-byte cp.async only (per thread per block of 64 rows: 36 copies, issued before
+    the loop and in it), and every dot is a wgmma from shared memory: 36 score wgmmas (rope and
+    four latent tiles in k16 steps) and 64 value wgmmas (8 m64 tiles of the 512 dims x 4 k16 steps
+    x P hi and lo) a block. No spills at 16 heads; at 32 (O^T is 128 registers a thread) ptxas
+    keeps up to 32 bytes of loop-invariant values on the stack."""
+    got = compile_gluon_sm90(
+        "openmla.kernels.sparse_mla_decode.sm90_bf16_kn", "sparse_mla_decode_sm90_bf16_kn_kernel",
+        dict(DENSE=False, HAS_LEN=True, HAS_SINK=True, SPLIT=split, BLOCK_H=block_h,
+             BLOCK_N=sm90_bf16_kn.BLOCK_N, TILE=128, ROPE=64, SCALE_OFF=0, ROPE_OFF=512, BS_SHIFT=6,
+             INF_EMPTY=True),
+        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"], sm90_bf16_kn.NUM_WARPS)
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255, got
+    assert got["stack"] <= (0 if block_h == 16 else 32), got
+    assert got["hgmma"] == 36 + 64 and got["ldgsts128"] == got["ldgsts"] == 2 * 36, got
 
 
 @pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
