@@ -8,8 +8,9 @@ cache): the public op `sparse_mla_decode`.
     triton_kernel.py  the portable Triton kernel (any GPU) and the split merge
     sm90.py     Gluon kernel for Hopper, > 32 heads: 64-head wgmma tiles
     sm90_kn.py  Gluon kernel for Hopper, <= 32 heads: keys on the wgmma M, a producer warpgroup
-    sm90_bf16.py  Gluon kernel for Hopper, bf16 cache, > 16 heads or <= 32 tokens: 64-head tiles
-    shared.py   the layout-free pieces all three compile (split ranges, row finish, sinks)
+    sm90_bf16.py  Gluon kernel for Hopper, bf16 cache, > 32 heads: 64-head tiles
+    sm90_bf16_kn.py  Gluon kernel for Hopper, bf16 cache, <= 32 heads: keys on the wgmma M
+    shared.py   the layout-free pieces the kernels compile (split ranges, row finish, sinks)
 """
 from .op import sparse_mla_decode
 
