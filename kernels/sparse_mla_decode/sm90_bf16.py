@@ -72,6 +72,69 @@ if _GLUON:
         copy_rows_at(p_kv, m_kv, s_lat, s_rope, G_L, D_LAT, ROPE)
 
     @gluon.jit
+    def _first_step(cache_ptr, p_idx, n_use, o_ng, num_slots, block_size, stride_cb, stride_cr, s_kl, s_kr,
+                    G_L: gl.constexpr, D_LAT: gl.constexpr, ROPE: gl.constexpr, DENSE: gl.constexpr,
+                    BS_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr):
+        # before step 0 (both bf16 decode kernels): start block 0's gather into row buffer 0 and
+        # return block 1's slots, loaded a step ahead (the copy's addresses do not wait on them)
+        b_idx = gl.load(p_idx + o_ng, mask=o_ng < n_use, other=-1)
+        _gather(cache_ptr, b_idx, num_slots, block_size, stride_cb, stride_cr, s_kl.index(0), s_kr.index(0),
+                G_L, D_LAT, ROPE, DENSE, BS_SHIFT)
+        return gl.load(p_idx + BLOCK_N + o_ng, mask=BLOCK_N + o_ng < n_use, other=-1)
+
+    @gluon.jit
+    def _next_step(i, cache_ptr, b_nx, p_idx, n_use, o_ng, o_ns, num_slots, block_size, stride_cb, stride_cr,
+                   s_kl, s_kr, G_L: gl.constexpr, D_LAT: gl.constexpr, ROPE: gl.constexpr, DENSE: gl.constexpr,
+                   BS_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr):
+        # the top of step i (both bf16 decode kernels): once every warp has finished block i-1's
+        # value wgmmas, which read the row buffer that block i+1 is gathered into now, start that
+        # gather (b_nx: its slots; past the end all positions are masked, nothing is read); load
+        # block i+2's slots a step ahead (the copy's addresses do not wait on them) and block i's
+        # validity (in o_ns's layout); then wait until block i's rows have landed (all but the
+        # newest copy group) for every thread and are visible to the tensor cores' (async proxy)
+        # reads. Returns (block i+2's slots, block i's validity).
+        gl.thread_barrier()
+        _gather(cache_ptr, b_nx, num_slots, block_size, stride_cb, stride_cr, s_kl.index(1 - i % 2),
+                s_kr.index(1 - i % 2), G_L, D_LAT, ROPE, DENSE, BS_SHIFT)
+        o_nx = (i + 2) * BLOCK_N + o_ng
+        b_nx = gl.load(p_idx + o_nx, mask=o_nx < n_use, other=-1)
+        o_n = i * BLOCK_N + o_ns
+        b_col = gl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
+        m_n = (b_col >= 0) & (b_col < num_slots)
+        cp.wait_group(1)
+        hopper.fence_async_shared()
+        gl.thread_barrier()
+        return b_nx, m_n
+
+    @gluon.jit
+    def _score_chains(s_ql, s_qr, s_lat, s_rope, zs, TILE: gl.constexpr, KEYS_ON_M: gl.constexpr):
+        # q . k of a block as five bf16 wgmma chains (rope, four 128-wide latent tiles) summed in
+        # fp32, two in flight (one K = 576 chain accumulates less exactly: lse off by up to 3e-5 at
+        # ~32): S [heads, keys] = q K^T, or with KEYS_ON_M S^T [keys, heads] = K q^T
+        if KEYS_ON_M:
+            t_a = hopper.warpgroup_mma(s_rope, s_qr.permute((1, 0)), zs, use_acc=False, is_async=True)
+            t_b = hopper.warpgroup_mma(s_lat.slice(0, TILE, dim=1), s_ql.slice(0, TILE, dim=1).permute((1, 0)),
+                                       zs, use_acc=False, is_async=True)
+        else:
+            t_a = hopper.warpgroup_mma(s_qr, s_rope.permute((1, 0)), zs, use_acc=False, is_async=True)
+            t_b = hopper.warpgroup_mma(s_ql.slice(0, TILE, dim=1), s_lat.slice(0, TILE, dim=1).permute((1, 0)),
+                                       zs, use_acc=False, is_async=True)
+        b_s = hopper.warpgroup_mma_wait(1, deps=[t_a])
+        t_a = t_b
+        for t in gl.static_range(1, 4):
+            if KEYS_ON_M:
+                t_b = hopper.warpgroup_mma(s_lat.slice(t * TILE, TILE, dim=1),
+                                           s_ql.slice(t * TILE, TILE, dim=1).permute((1, 0)), zs,
+                                           use_acc=False, is_async=True)
+            else:
+                t_b = hopper.warpgroup_mma(s_ql.slice(t * TILE, TILE, dim=1),
+                                           s_lat.slice(t * TILE, TILE, dim=1).permute((1, 0)), zs,
+                                           use_acc=False, is_async=True)
+            b_s += hopper.warpgroup_mma_wait(1, deps=[t_a])
+            t_a = t_b
+        return b_s + hopper.warpgroup_mma_wait(0, deps=[t_a])
+
+    @gluon.jit
     def sparse_mla_decode_sm90_bf16_kernel(
         q_ptr, cache_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
         H, TOPK, CHUNK, NUM_HB, NUM_SPLITS, num_slots, block_size,
@@ -120,11 +183,8 @@ if _GLUON:
 
         o_ng = gl.arange(0, BLOCK_N, layout=ROW_G)
         o_ns = gl.arange(0, BLOCK_N, layout=COL_S)
-        b_nx = gl.load(p_idx + o_ng, mask=o_ng < n_use, other=-1)
-        _gather(cache_ptr, b_nx, num_slots, block_size, stride_cb, stride_cr, s_kl.index(0), s_kr.index(0),
-                G_L, D_LAT, ROPE, DENSE, BS_SHIFT)
-        # the next block's slots are loaded a step ahead: the copy's addresses do not wait on them
-        b_nx = gl.load(p_idx + BLOCK_N + o_ng, mask=BLOCK_N + o_ng < n_use, other=-1)
+        b_nx = _first_step(cache_ptr, p_idx, n_use, o_ng, num_slots, block_size, stride_cb, stride_cr, s_kl, s_kr,
+                           G_L, D_LAT, ROPE, DENSE, BS_SHIFT, BLOCK_N)
 
         zs = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
         b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
@@ -132,37 +192,10 @@ if _GLUON:
         acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, O_L)
         for i in range(n_blk):
             buf = i % 2
-            # every warp has finished the value wgmmas of block i-1, which read the buffer that
-            # block i+1 is gathered into now (past the end: all positions masked, nothing read)
-            gl.thread_barrier()
-            _gather(cache_ptr, b_nx, num_slots, block_size, stride_cb, stride_cr, s_kl.index(1 - buf),
-                    s_kr.index(1 - buf), G_L, D_LAT, ROPE, DENSE, BS_SHIFT)
-            o_nx = (i + 2) * BLOCK_N + o_ng
-            b_nx = gl.load(p_idx + o_nx, mask=o_nx < n_use, other=-1)
-            o_n = i * BLOCK_N + o_ns
-            b_col = gl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
-            m_n = (b_col >= 0) & (b_col < num_slots)
-
-            # block i's rows have landed (all but the newest copy group), for every thread, and
-            # are visible to the tensor cores' (async proxy) reads
-            cp.wait_group(1)
-            hopper.fence_async_shared()
-            gl.thread_barrier()
+            b_nx, m_n = _next_step(i, cache_ptr, b_nx, p_idx, n_use, o_ng, o_ns, num_slots, block_size,
+                                   stride_cb, stride_cr, s_kl, s_kr, G_L, D_LAT, ROPE, DENSE, BS_SHIFT, BLOCK_N)
             s_lat = s_kl.index(buf)
-            # five chains (rope, four 128-wide latent tiles) summed in fp32, two in flight: one
-            # K = 576 chain accumulates less exactly (lse off by up to 3e-5 at ~32)
-            t_a = hopper.warpgroup_mma(s_qr, s_kr.index(buf).permute((1, 0)), zs, use_acc=False, is_async=True)
-            t_b = hopper.warpgroup_mma(s_ql.slice(0, TILE, dim=1), s_lat.slice(0, TILE, dim=1).permute((1, 0)), zs,
-                                       use_acc=False, is_async=True)
-            b_s = hopper.warpgroup_mma_wait(1, deps=[t_a])
-            t_a = t_b
-            for t in gl.static_range(1, 4):
-                t_b = hopper.warpgroup_mma(s_ql.slice(t * TILE, TILE, dim=1),
-                                           s_lat.slice(t * TILE, TILE, dim=1).permute((1, 0)), zs,
-                                           use_acc=False, is_async=True)
-                b_s += hopper.warpgroup_mma_wait(1, deps=[t_a])
-                t_a = t_b
-            b_s = (b_s + hopper.warpgroup_mma_wait(0, deps=[t_a])) * qk_scale
+            b_s = _score_chains(s_ql, s_qr, s_lat, s_kr.index(buf), zs, TILE, False) * qk_scale
             # a NaN or inf score of a valid key turns NaN (kernels/softmax.py): the row ends NaN
             b_s = gl.where(m_n[None, :], _keep_faults(b_s), float("-inf"))
 

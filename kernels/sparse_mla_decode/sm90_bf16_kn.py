@@ -37,8 +37,9 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from openmla.kernels.sparse_mla_decode.sm90_bf16 import (_finish_rows, _gather, _keep_faults,
-                                                             _sink_factor, _split_range)
+    from openmla.kernels.sparse_mla_decode.sm90_bf16 import (_finish_rows, _first_step, _keep_faults, _next_step,
+                                                             _score_chains, _sink_factor, _split_range)
+    from openmla.kernels.sparse_mla_decode.sm90_kn import store_heads_t
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
@@ -113,11 +114,8 @@ if _GLUON:
 
         o_ng = gl.arange(0, BLOCK_N, layout=ROW_G)
         o_ns = gl.arange(0, BLOCK_N, layout=ROW_S)
-        b_nx = gl.load(p_idx + o_ng, mask=o_ng < n_use, other=-1)
-        _gather(cache_ptr, b_nx, num_slots, block_size, stride_cb, stride_cr, s_kl.index(0), s_kr.index(0),
-                G_L, D_LAT, ROPE, DENSE, BS_SHIFT)
-        # the next block's slots are loaded a step ahead: the copy's addresses do not wait on them
-        b_nx = gl.load(p_idx + BLOCK_N + o_ng, mask=BLOCK_N + o_ng < n_use, other=-1)
+        b_nx = _first_step(cache_ptr, p_idx, n_use, o_ng, num_slots, block_size, stride_cb, stride_cr, s_kl, s_kr,
+                           G_L, D_LAT, ROPE, DENSE, BS_SHIFT, BLOCK_N)
 
         zs = gl.zeros([BLOCK_N, HN], gl.float32, S_L)
         b_m = gl.full([HN], float("-inf"), gl.float32, COL_S)
@@ -125,37 +123,11 @@ if _GLUON:
         acc = gl.zeros([D_LAT, HN], gl.float32, S_L)
         for i in range(n_blk):
             buf = i % 2
-            # every warp has finished block i-1's value wgmmas, which read the row buffer that
-            # block i+1 is gathered into now and the P^T buffers (past the end: all positions
-            # masked, nothing read)
-            gl.thread_barrier()
-            _gather(cache_ptr, b_nx, num_slots, block_size, stride_cb, stride_cr, s_kl.index(1 - buf),
-                    s_kr.index(1 - buf), G_L, D_LAT, ROPE, DENSE, BS_SHIFT)
-            o_nx = (i + 2) * BLOCK_N + o_ng
-            b_nx = gl.load(p_idx + o_nx, mask=o_nx < n_use, other=-1)
-            o_n = i * BLOCK_N + o_ns
-            b_col = gl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
-            m_n = (b_col >= 0) & (b_col < num_slots)
-
-            # block i's rows have landed (all but the newest copy group), for every thread, and
-            # are visible to the tensor cores' (async proxy) reads
-            cp.wait_group(1)
-            hopper.fence_async_shared()
-            gl.thread_barrier()
+            b_nx, m_n = _next_step(i, cache_ptr, b_nx, p_idx, n_use, o_ng, o_ns, num_slots, block_size,
+                                   stride_cb, stride_cr, s_kl, s_kr, G_L, D_LAT, ROPE, DENSE, BS_SHIFT, BLOCK_N)
             s_lat = s_kl.index(buf)
-            # S^T: five chains (rope, four 128-wide latent tiles) summed in fp32, two in flight
-            t_a = hopper.warpgroup_mma(s_kr.index(buf), s_qr.permute((1, 0)), zs, use_acc=False, is_async=True)
-            t_b = hopper.warpgroup_mma(s_lat.slice(0, TILE, dim=1), s_ql.slice(0, TILE, dim=1).permute((1, 0)), zs,
-                                       use_acc=False, is_async=True)
-            b_s = hopper.warpgroup_mma_wait(1, deps=[t_a])
-            t_a = t_b
-            for t in gl.static_range(1, 4):
-                t_b = hopper.warpgroup_mma(s_lat.slice(t * TILE, TILE, dim=1),
-                                           s_ql.slice(t * TILE, TILE, dim=1).permute((1, 0)), zs,
-                                           use_acc=False, is_async=True)
-                b_s += hopper.warpgroup_mma_wait(1, deps=[t_a])
-                t_a = t_b
-            b_s = (b_s + hopper.warpgroup_mma_wait(0, deps=[t_a])) * qk_scale
+            # (_next_step's first barrier also frees the P^T buffers, last read by block i-1's value wgmmas)
+            b_s = _score_chains(s_ql, s_qr, s_lat, s_kr.index(buf), zs, TILE, True) * qk_scale
             # a NaN or inf score of a valid key turns NaN (kernels/softmax.py): the head ends NaN
             b_s = gl.where(m_n[:, None], _keep_faults(b_s), float("-inf"))
 
@@ -186,21 +158,5 @@ if _GLUON:
             if HAS_SINK:
                 b_inv = b_inv * _sink_factor(sink_ptr, o_h, m_h, b_lse)
         b_o = acc * b_inv[None, :]
-        # each thread stores 16 contiguous bytes of one head's output (straight from the wgmma
-        # layout a warp's store would scatter 4-byte pieces over many sectors)
-        SPT: gl.constexpr = 4 if SPLIT else 8
-        WD: gl.constexpr = D_LAT // (32 * SPT)
-        ST_L: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [WD, 4 // WD], [0, 1])
-        o_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(1, ST_L))
-        o_hs = gl.arange(0, HN, layout=gl.SliceLayout(0, ST_L))
-        m_hs = o_hs < H
-        if SPLIT:
-            p_po = po_ptr + ((i_t64 * NUM_SPLITS + i_s) * H + o_hs)[None, :] * D_LAT + o_d[:, None]
-            gl.store(p_po, gl.convert_layout(b_o, ST_L), mask=m_hs[None, :])
-            gl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_h, b_lse, mask=m_h)
-        else:
-            p_o = out_ptr + i_t64 * stride_ot + o_hs[None, :] * stride_oh + o_d[:, None]
-            gl.store(p_o, gl.convert_layout(b_o.to(out_ptr.dtype.element_ty), ST_L), mask=m_hs[None, :])
-            if INF_EMPTY:  # FlashMLA's lse for a row without a valid index
-                b_lse = gl.where(b_lse == float("-inf"), float("inf"), b_lse)
-            gl.store(lse_ptr + i_t64 * H + o_h, b_lse, mask=m_h)
+        store_heads_t(b_o, b_lse, o_h, m_h, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_s, H, NUM_SPLITS,
+                      stride_ot, stride_oh, SPLIT, INF_EMPTY, D_LAT, HN, 4)

@@ -307,6 +307,32 @@ if _GLUON:
         return b_o, b_l, b_m, b_r
 
     @gluon.jit
+    def store_heads_t(b_o, b_lse, o_h, m_h, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_s, H, NUM_SPLITS,
+                      stride_ot, stride_oh, SPLIT: gl.constexpr, INF_EMPTY: gl.constexpr, D_LAT: gl.constexpr,
+                      HN: gl.constexpr, NW: gl.constexpr):
+        """The keys-on-M kernels' epilogue (also sm90_bf16_kn.py's): one token's normalized O^T
+        [D_LAT, HN] and lse [HN] (heads o_h, valid m_h) to the split's partials, or to out and
+        lse. O^T goes through shared memory once so that each thread stores 16 contiguous bytes of
+        one head's output (straight from the wgmma layout, a warp's store would scatter 4- or
+        2-byte pieces over 32 sectors). NW: the kernel's warps."""
+        SPT: gl.constexpr = 4 if SPLIT else 8
+        WD: gl.constexpr = D_LAT // (32 * SPT)
+        ST_L: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [WD, NW // WD], [0, 1])
+        o_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(1, ST_L))
+        o_hs = gl.arange(0, HN, layout=gl.SliceLayout(0, ST_L))
+        m_hs = o_hs < H
+        if SPLIT:
+            p_po = po_ptr + ((i_t64 * NUM_SPLITS + i_s) * H + o_hs)[None, :] * D_LAT + o_d[:, None]
+            gl.store(p_po, gl.convert_layout(b_o, ST_L), mask=m_hs[None, :])
+            gl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_h, b_lse, mask=m_h)
+        else:
+            p_o = out_ptr + i_t64 * stride_ot + o_hs[None, :] * stride_oh + o_d[:, None]
+            gl.store(p_o, gl.convert_layout(b_o.to(out_ptr.dtype.element_ty), ST_L), mask=m_hs[None, :])
+            if INF_EMPTY:  # FlashMLA's lse for a row without a valid index
+                b_lse = gl.where(b_lse == float("-inf"), float("inf"), b_lse)
+            gl.store(lse_ptr + i_t64 * H + o_h, b_lse, mask=m_h)
+
+    @gluon.jit
     def sparse_mla_decode_sm90_kn_kernel(
         q_ptr, cache_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
         H, TOPK, CHUNK, NUM_HB, NUM_SPLITS, num_slots, block_size,
@@ -375,25 +401,7 @@ if _GLUON:
             if HAS_SINK:
                 b_inv = b_inv * _sink_factor(sink_ptr, o_h, m_h, b_lse)
         b_o = b_o * (b_inv * b_r)[None, :]
-        # undo O^T's row permutation (see _value_a) in the register layout (free), then go through
-        # shared memory once so that each thread stores 16 contiguous bytes of one head's output
-        # (straight from the wgmma layout, a warp's store would scatter 4- or 2-byte pieces over
-        # 32 sectors)
+        # undo O^T's row permutation (see _value_a) in the register layout (free)
         b_o = b_o.reshape([2, 2, 2, 2, 2, 2, 2, 2, 2, HN]).permute((2, 3, 4, 6, 7, 8, 0, 1, 5, 9))
-        b_o = b_o.reshape([D_LAT, HN])
-        SPT: gl.constexpr = 4 if SPLIT else 8
-        WD: gl.constexpr = D_LAT // (32 * SPT)
-        ST_L: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [WD, 8 // WD], [0, 1])
-        o_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(1, ST_L))
-        o_hs = gl.arange(0, HN, layout=gl.SliceLayout(0, ST_L))
-        m_hs = o_hs < H
-        if SPLIT:
-            p_po = po_ptr + ((i_t64 * NUM_SPLITS + i_s) * H + o_hs)[None, :] * D_LAT + o_d[:, None]
-            gl.store(p_po, gl.convert_layout(b_o, ST_L), mask=m_hs[None, :])
-            gl.store(plse_ptr + (i_t64 * NUM_SPLITS + i_s) * H + o_h, b_lse, mask=m_h)
-        else:
-            p_o = out_ptr + i_t64 * stride_ot + o_hs[None, :] * stride_oh + o_d[:, None]
-            gl.store(p_o, gl.convert_layout(b_o.to(out_ptr.dtype.element_ty), ST_L), mask=m_hs[None, :])
-            if INF_EMPTY:  # FlashMLA's lse for a row without a valid index
-                b_lse = gl.where(b_lse == float("-inf"), float("inf"), b_lse)
-            gl.store(lse_ptr + i_t64 * H + o_h, b_lse, mask=m_h)
+        store_heads_t(b_o.reshape([D_LAT, HN]), b_lse, o_h, m_h, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_s, H,
+                      NUM_SPLITS, stride_ot, stride_oh, SPLIT, INF_EMPTY, D_LAT, HN, 8)
