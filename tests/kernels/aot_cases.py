@@ -296,6 +296,7 @@ CORE = (
 )
 EXTRA = (
     "prefill-H32",  # sm_90: the keys-on-M kernel with token flags and their passes (kv_row_faults, token_faults)
+    "decode-bf16-H16-T64",  # sm_90: the bf16 keys-on-M kernel (sm90_bf16_kn)
     "decode-fp8_ds_mla-H64-T64", "decode-bf16-H128-T1", "decode-fp8_model1-H16-T64", "prefill-H16",
     "paged-gqa4-d128-spec4-float16-int8_qk", "paged-mha-d64-sinks-window-prefill-bfloat16-same",
     "varlen-H16-Hkv16-D64",
