@@ -72,6 +72,20 @@ if _GLUON:
         copy_rows_at(p_kv, m_kv, s_lat, s_rope, G_L, D_LAT, ROPE)
 
     @gluon.jit
+    def _q_to_shared(q_ptr, i_t64, stride_qt, stride_qh, o_hg, H, G_L: gl.constexpr, SH: gl.constexpr,
+                     D_LAT: gl.constexpr, ROPE: gl.constexpr):
+        # the token's q rows o_hg (zeros past H) into shared memory as they are: latent, rope
+        m_hg = (o_hg < H)[:, None]
+        p_q = q_ptr + i_t64 * stride_qt + o_hg[:, None] * stride_qh
+        o_lg = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, G_L))
+        o_rg = D_LAT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, G_L))
+        s_ql = gl.allocate_shared_memory(gl.bfloat16, [o_hg.shape[0], D_LAT], SH,
+                                         gl.load(p_q + o_lg[None, :], mask=m_hg, other=0.0))
+        s_qr = gl.allocate_shared_memory(gl.bfloat16, [o_hg.shape[0], ROPE], SH,
+                                         gl.load(p_q + o_rg[None, :], mask=m_hg, other=0.0))
+        return s_ql, s_qr
+
+    @gluon.jit
     def _first_step(cache_ptr, p_idx, n_use, o_ng, num_slots, block_size, stride_cb, stride_cr, s_kl, s_kr,
                     G_L: gl.constexpr, D_LAT: gl.constexpr, ROPE: gl.constexpr, DENSE: gl.constexpr,
                     BS_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -170,14 +184,8 @@ if _GLUON:
         n_blk = gl.cdiv(gl.maximum(n_use, 0), BLOCK_N)
         p_idx = idx_ptr + i_t64 * stride_it + k_lo
 
-        o_hg = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_G)
-        p_q = q_ptr + i_t64 * stride_qt + o_hg[:, None] * stride_qh
-        o_lg = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, G_L))
-        o_rg = D_LAT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, G_L))
-        s_ql = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], SH,
-                                         gl.load(p_q + o_lg[None, :], mask=(o_hg < H)[:, None], other=0.0))
-        s_qr = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], SH,
-                                         gl.load(p_q + o_rg[None, :], mask=(o_hg < H)[:, None], other=0.0))
+        s_ql, s_qr = _q_to_shared(q_ptr, i_t64, stride_qt, stride_qh,
+                                  i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_G), H, G_L, SH, D_LAT, ROPE)
         s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
         s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, ROPE], SH)
 

@@ -28,9 +28,9 @@ planner (kernels/sparse_mla_decode/op.py) when it is picked. The CPU suite compi
 """
 from __future__ import annotations
 
-import torch
 
-from openmla.kernels.device import sm90_gluon
+# the same rows and 16-byte copies as the 64-head bf16 kernel: the same `usable`
+from openmla.kernels.sparse_mla_decode.sm90_bf16 import usable  # noqa: F401
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
@@ -38,7 +38,8 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from openmla.kernels.sparse_mla_decode.sm90_bf16 import (_finish_rows, _first_step, _keep_faults, _next_step,
-                                                             _score_chains, _sink_factor, _split_range)
+                                                             _q_to_shared, _score_chains, _sink_factor,
+                                                             _split_range)
     from openmla.kernels.sparse_mla_decode.sm90_kn import store_heads_t
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -53,14 +54,6 @@ OCCUPANCY = 1  # programs per SM, for the split rule
 def block_h(H: int) -> int:
     """The wgmma N (head block) for H <= MAX_HEADS heads."""
     return 16 if H <= 16 else 32
-
-
-def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether this kernel may serve these inputs (the caller picks it for H <= MAX_HEADS): Gluon
-    kernels may run on their device (`sm90_gluon`), and cache rows start on 16 bytes (16-byte
-    copies; strides in elements)."""
-    return (sm90_gluon(q.device) and cache.data_ptr() % 16 == 0 and cache.stride(0) % 8 == 0
-            and cache.stride(1) % 8 == 0)
 
 
 if _GLUON:
@@ -98,15 +91,8 @@ if _GLUON:
         n_blk = gl.cdiv(gl.maximum(n_use, 0), BLOCK_N)
         p_idx = idx_ptr + i_t64 * stride_it + k_lo
 
-        o_hg = gl.arange(0, HN, layout=ROW_G)
-        m_hg = (o_hg < H)[:, None]
-        p_q = q_ptr + i_t64 * stride_qt + o_hg[:, None] * stride_qh
-        o_lg = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, G_L))
-        o_rg = D_LAT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, G_L))
-        s_ql = gl.allocate_shared_memory(gl.bfloat16, [HN, D_LAT], SH,
-                                         gl.load(p_q + o_lg[None, :], mask=m_hg, other=0.0))
-        s_qr = gl.allocate_shared_memory(gl.bfloat16, [HN, ROPE], SH,
-                                         gl.load(p_q + o_rg[None, :], mask=m_hg, other=0.0))
+        s_ql, s_qr = _q_to_shared(q_ptr, i_t64, stride_qt, stride_qh, gl.arange(0, HN, layout=ROW_G), H, G_L, SH,
+                                  D_LAT, ROPE)
         s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
         s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, ROPE], SH)
         s_ph = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HN], SHP)
