@@ -50,6 +50,7 @@ import triton.language as tl
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
+from openmla.kernels.sparse_mla_prefill import sm90_ws as _ws
 from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
 from openmla.kernels.device import arch_of
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
@@ -270,7 +271,7 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink, out):
     # Hopper with Gluon and 16-byte rows: V3.2 rows at any H, V4's 512-wide rows in 64-head blocks
     # (the keys-on-M kernel is written for 576)
     if _sm90.usable(q, kv) and (d_qk == D_QK or H > _kn.MAX_HEADS):
-        sm90 = _kn if H <= _kn.MAX_HEADS else _sm90
+        sm90 = _kn if H <= _kn.MAX_HEADS else _ws
         sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
                     D_LAT, d_qk - D_LAT)
         return lse, max_logits

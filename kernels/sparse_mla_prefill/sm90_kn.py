@@ -142,22 +142,25 @@ if _GLUON:
         p_l = gl.multiple_of(p_l, 16)
         p_r = gl.multiple_of(p_r, 16)
         c_l = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GL))
-        c_r = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GR))
         cp.async_copy_global_to_shared(s_lat, p_l[:, None] + c_l[None, :],
                                        mask=((i_l >= 0) & (i_l < N))[:, None])
-        cp.async_copy_global_to_shared(s_rope, p_r[:, None] + c_r[None, :],
-                                       mask=((i_r >= 0) & (i_r < N))[:, None])
+        if D_ROPE > 0:  # 512-wide (V4) rows have no rope part
+            c_r = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GR))
+            cp.async_copy_global_to_shared(s_rope, p_r[:, None] + c_r[None, :],
+                                           mask=((i_r >= 0) & (i_r < N))[:, None])
 
     @gluon.jit
     def _producer(kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
-                  BLOCK_N: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OFF32: gl.constexpr):
-        # block i into stage i % 2 once its consumer released it; the row numbers of block i + 1
-        # are loaded while block i waits for its stage (off the critical path); the stage's full
-        # barrier completes when every producer thread's copies have landed
+                  BLOCK_N: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OFF32: gl.constexpr,
+                  NUM_STAGES: gl.constexpr = 2):
+        # block i into stage i % NUM_STAGES once its consumers released it; the row numbers of
+        # block i + 1 are loaded while block i waits for its stage (off the critical path); the
+        # stage's full barrier completes when every producer thread's copies have landed (also the
+        # 64-head warp-specialised kernel's producer, sm90_ws.py)
         i_l, i_r = _load_rows(p_idx, 0, n_use, BLOCK_N)
         for i in range(n_blk):
-            s = i % 2
-            mbarrier.wait(empty.index(s), ((i // 2) & 1) ^ 1)
+            s = i % NUM_STAGES
+            mbarrier.wait(empty.index(s), ((i // NUM_STAGES) & 1) ^ 1)
             _gather(kv_ptr, i_l, i_r, N, stride_kv, s_kl.index(s), s_kr.index(s), D_LAT, D_ROPE, OFF32)
             cp.mbarrier_arrive(full.index(s), increment_count=False)
             i_l, i_r = _load_rows(p_idx, (i + 1) * BLOCK_N, n_use, BLOCK_N)
