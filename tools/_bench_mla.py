@@ -277,6 +277,11 @@ register(Op(
     name="sparse_mla_prefill",
     shape_sets={
         "standard": [dict(tokens=4096, heads=h, topk=2048, kv_rows=32768) for h in (16, 32, 64, 128)],
+        # issue 23's prefill table (FlashMLA's sm90 head counts)
+        "issue23": [dict(tokens=4096, heads=64, topk=2048, kv_rows=32768),
+                    dict(tokens=4096, heads=128, topk=2048, kv_rows=32768),
+                    dict(tokens=8192, heads=128, topk=2048, kv_rows=131072),
+                    dict(tokens=4096, heads=128, topk=512, kv_rows=32768)],
         "small": [dict(tokens=8, heads=16, topk=128, kv_rows=1024)],
     },
     build=_prefill_build, run=_prefill_run, torch_ref=_prefill_torch, error=_prefill_error,

@@ -6,8 +6,8 @@ same merge kernel) and the same arithmetic: bf16 q . k as five chains (rope, fou
 tiles) summed in fp32, scores in the log2 domain, P split into bf16 hi + lo parts for the value dot (a
 single bf16 P errs by 2^-9 a weight: the decode tests' abs 1e-3 / rel 2/128 fail on peaked rows).
 
-The loop is the bf16 prefill kernel's (kernels/sparse_mla_prefill/sm90.py), with the decode's
-paged row addressing and splits: 8 warps = two warpgroups; the score tile [64 heads, 64 keys] is
+8 warps = two warpgroups (the row copy is the 64-head prefill kernel's, kernels/sparse_mla_prefill/
+sm90.py, with the decode's paged row addressing); the score tile [64 heads, 64 keys] is
 laid out [4, 2] (each warpgroup scores half of the keys: no q.k work done twice), the output
 [64, 512] [4, 2] (each warpgroup owns 256 columns); block i+1's rows are gathered with 16-byte
 cp.async (zero-filled for invalid slots, which are never read) at the top of step i, so a whole

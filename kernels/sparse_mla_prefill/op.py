@@ -31,8 +31,8 @@ scale). Per block of rows:
 
 On Hopper (Gluon available, kv rows on 16 bytes) two Gluon kernels take over: H <= 32 runs with
 keys on the wgmma M, warp-specialised (kernels/sparse_mla_prefill/sm90_kn.py), H > 32 in 64-head
-blocks (kernels/sparse_mla_prefill/sm90.py: score tile split over the two warpgroups, the next
-rows' gather issued a whole step ahead; also d_qk 512, with no rope buffers). The keys-on-M kernel
+blocks (kernels/sparse_mla_prefill/sm90.py: warp-specialised, a producer, a score warpgroup and a
+value warpgroup; also d_qk 512, with no rope buffers). The keys-on-M kernel
 is written for d_qk 576. This kernel serves everything else (d_qk 512 at H <= 32, other GPUs, the
 interpreter, OPENMLA_SM90_GLUON=0, unaligned rows).
 
@@ -50,7 +50,6 @@ import triton.language as tl
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
-from openmla.kernels.sparse_mla_prefill import sm90_ws as _ws
 from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
 from openmla.kernels.device import arch_of
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
@@ -271,7 +270,7 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink, out):
     # Hopper with Gluon and 16-byte rows: V3.2 rows at any H, V4's 512-wide rows in 64-head blocks
     # (the keys-on-M kernel is written for 576)
     if _sm90.usable(q, kv) and (d_qk == D_QK or H > _kn.MAX_HEADS):
-        sm90 = _kn if H <= _kn.MAX_HEADS else _ws
+        sm90 = _kn if H <= _kn.MAX_HEADS else _sm90
         sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
                     D_LAT, d_qk - D_LAT)
         return lse, max_logits

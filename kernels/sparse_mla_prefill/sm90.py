@@ -1,26 +1,36 @@
-"""Hopper (sm_90) kernel of sparse_mla_prefill for 64-head blocks, written in Gluon.
+"""Hopper (sm_90) kernel of sparse_mla_prefill for 64-head blocks, warp-specialised, in Gluon.
 
-Same maths and arguments as `sparse_mla_prefill_kernel` (kernels/sparse_mla_prefill/op.py); a
-program owns one query token and 64 heads, 8 warps = two warpgroups. It exists because Triton
-3.6 lays the 64-head tile out badly and cannot be told otherwise:
-- Triton gives a dot whose result feeds another dot (S -> P -> P.V) the warps [8, 1], so with
-  64 heads (one wgmma M tile) both warpgroups would compute the whole score tile: the q.k work,
-  53 % of the FLOPs, twice. Here S is laid out [4, 2]: each warpgroup scores half of the rows
-  (m64n32 at 64 rows), the row max / sum cross the warpgroups through shared memory, and
-  P is exchanged once for the value wgmma (each warpgroup owns 256 of the 512 output columns).
-- Triton's pipeliner issues the gather of the next rows after the value dot and waits for it
-  at the next step's top, which exposes the gather latency. Here the copy of block i+1 is issued
-  at the top of step i (two 72 KB row buffers, cp.async, zero-fill for masked rows) and the
-  next block's indices are loaded a step ahead, so a whole step hides the gather.
-Shared memory: q 72 KB + 2 x 72 KB rows + P exchange ~ 220 KB (one program per SM). DeepSeek-V4's
-512-wide rows (d_qk 512, the value the whole row: D_ROPE = 0) take the same kernel without the rope
-buffers and its score wgmma: 64 + 2 x 64 KB.
+Same maths, arguments and outputs as `sparse_mla_prefill_kernel` (kernels/sparse_mla_prefill/op.py);
+a program owns one query token and 64 heads. Three partitions of one warpgroup each (the fp8
+decode kernel's partition, kernels/sparse_mla_decode/sm90.py, with bf16 rows that need no
+conversion):
+- the producer (P_REGS registers; `_producer`, also the keys-on-M kernel's) gathers block i (64
+  rows: latent and rope, 16-byte cp.async, rows outside [0, N) zero-filled and never read) into
+  stage i % 2 once both consumers have released it;
+- the score warpgroup (the default partition: the registers the workers leave) loads q into shared
+  memory (while the producer gathers the first blocks), then per block computes S [64 heads, 64
+  keys] (one wgmma chain: rope, then latent), the online softmax, stores P (bf16) and the heads'
+  rescale factor into shared memory for the value warpgroup and adds P V[:, :SCORE_COLS] into its
+  part of the output (P from registers);
+- the value warpgroup (V_REGS registers) holds the output's other columns (three accumulators of
+  128) and adds P V[:, SCORE_COLS:] (P from shared memory) while the score warpgroup goes on to the
+  next block's scores.
+So the score warpgroup, whose S, softmax and value wgmmas run in series, carries a quarter of the
+value work. P of a block goes into its stage's rope buffer (the score wgmma has read it; the stage
+is refilled only after both consumers released it): [64 heads, 64 keys] bf16 is the size of
+[64 keys, 64] rope; 512-wide rows (DeepSeek-V4, no rope) get P buffers of their own. The shift of
+the exponent follows a head's running max lazily (as in sm90_kn.py: only when the max rose by more
+than 2^TAU), the exact max kept for max_logits. q and the output stream past L2 (evict-first), so
+that they do not push the gathered rows out.
+Shared memory: q 72 KB + two 72 KB stages: one program per SM.
 
-Timings: docs/benchmarks.md; against the Triton kernel: docs/notes/sparse_mla_prefill.md.
+Also here: the row copy of the bf16-cache decode kernel (`copy_rows_at`) and the launcher of both
+Gluon prefill kernels (`launch`). Gluon runs on the GPU only (not in Triton's interpreter); `usable`
+says when to use it. The CPU suite compiles the kernels for sm_90a (tests/kernels/
+test_sparse_mla_prefill.py); the GPU suite checks them against the oracle like every other path.
 
-Gluon runs on the GPU only (not in Triton's interpreter); `usable` says when to use it. The
-CPU suite compiles it for sm_90a (tests/kernels/test_sparse_mla_prefill.py); the GPU suite checks it
-against the oracle like every other path.
+Timings: docs/benchmarks.md; the measurements behind the partition and the variants that lost:
+docs/notes/sparse_mla_prefill.md ("A warp-specialised 64-head kernel").
 """
 from __future__ import annotations
 
@@ -34,6 +44,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
     _finish_rows = gluon.jit(finish_rows.fn)
     _keep_faults = gluon.jit(keep_faults.fn)
@@ -43,8 +54,12 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
 
 BLOCK_H = 64
-BLOCK_N = 64  # rows per step: 32 would halve each warpgroup's score tile (m64n16) and was slower
-NUM_WARPS = 8
+BLOCK_N = 64  # keys per block (the score wgmma's N)
+NUM_WARPS = 4  # the score warpgroup; the value and producer warpgroups are workers
+SCORE_COLS = 128  # output columns of the score warpgroup; the value warpgroup has the other 384
+TAU = 8.0  # lazy rescale: the shift trails the running max by at most this (exp2 domain)
+V_REGS = 224  # registers of the value warpgroup (its output columns alone are 192)
+P_REGS = 64  # registers of the producer (at 56 it spills); the score warpgroup gets the rest
 
 
 def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -55,19 +70,6 @@ def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 
 if _GLUON:
-
-    @gluon.jit
-    def _copy_rows(kv_ptr, b_idx, N, stride_kv, s_lat, s_rope, GATHER: gl.constexpr,
-                   D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OFF32: gl.constexpr):
-        """Start the asynchronous gather of one block of rows into a row buffer (one commit
-        group). A row whose index is invalid is never read: its copy is masked (zero-filled)."""
-        m_n = (b_idx >= 0) & (b_idx < N)
-        if OFF32:
-            p_kv = kv_ptr + b_idx * stride_kv
-        else:
-            p_kv = kv_ptr + b_idx.to(gl.int64) * stride_kv
-        # launch() only runs 16-byte aligned rows here, so every copy moves 16 bytes
-        copy_rows_at(gl.multiple_of(p_kv, 16), m_n, s_lat, s_rope, GATHER, D_LAT, D_ROPE)
 
     @gluon.jit
     def copy_rows_at(p_kv, m_n, s_lat, s_rope, GATHER: gl.constexpr, D_LAT: gl.constexpr,
@@ -83,6 +85,185 @@ if _GLUON:
         cp.commit_group()
 
     @gluon.jit
+    def _load_rows(p_idx, k0, n_use, BLOCK_N: gl.constexpr):
+        # the row numbers of block k0..k0+BLOCK_N-1 in both gather layouts (-1 past n_use)
+        GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        o_l = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GL))
+        o_r = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GR))
+        return (gl.load(p_idx + o_l, mask=o_l < n_use, other=-1),
+                gl.load(p_idx + o_r, mask=o_r < n_use, other=-1))
+
+    @gluon.jit
+    def _gather(kv_ptr, i_l, i_r, N, stride_kv, s_lat, s_rope, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
+                OFF32: gl.constexpr):
+        # start the copy of the rows i_l / i_r (the same rows in two layouts): the latent part with
+        # 256 contiguous bytes of a row per warp instruction, the rope part with 128; a row
+        # outside [0, N) is masked (zero-filled), never read
+        GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        if OFF32:
+            p_l = kv_ptr + i_l * stride_kv
+            p_r = kv_ptr + i_r * stride_kv
+        else:
+            p_l = kv_ptr + i_l.to(gl.int64) * stride_kv
+            p_r = kv_ptr + i_r.to(gl.int64) * stride_kv
+        p_l = gl.multiple_of(p_l, 16)
+        p_r = gl.multiple_of(p_r, 16)
+        c_l = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GL))
+        cp.async_copy_global_to_shared(s_lat, p_l[:, None] + c_l[None, :],
+                                       mask=((i_l >= 0) & (i_l < N))[:, None])
+        if D_ROPE > 0:  # 512-wide (V4) rows have no rope part
+            c_r = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GR))
+            cp.async_copy_global_to_shared(s_rope, p_r[:, None] + c_r[None, :],
+                                           mask=((i_r >= 0) & (i_r < N))[:, None])
+
+    @gluon.jit
+    def _producer(kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
+                  BLOCK_N: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OFF32: gl.constexpr):
+        # the producer warpgroup of both warp-specialised prefill kernels (this one, sm90_kn.py):
+        # block i into stage i % 2 once its consumers released it; the row numbers of block i + 1
+        # are loaded while block i waits for its stage (off the critical path); the stage's full
+        # barrier completes when every producer thread's copies have landed
+        i_l, i_r = _load_rows(p_idx, 0, n_use, BLOCK_N)
+        for i in range(n_blk):
+            s = i % 2
+            mbarrier.wait(empty.index(s), ((i // 2) & 1) ^ 1)
+            _gather(kv_ptr, i_l, i_r, N, stride_kv, s_kl.index(s), s_kr.index(s), D_LAT, D_ROPE, OFF32)
+            cp.mbarrier_arrive(full.index(s), increment_count=False)
+            i_l, i_r = _load_rows(p_idx, (i + 1) * BLOCK_N, n_use, BLOCK_N)
+
+    @gluon.jit
+    def _store_cols(acc, inv, C0: gl.constexpr, out_ptr, i_t, i_hb, H, stride_ot, stride_oh,
+                    BLOCK_H: gl.constexpr, O_L: gl.constexpr):
+        # output columns C0 .. C0 + acc.shape[1] of this program's heads, times 1 / sum
+        o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+        o_d = C0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, O_L))
+        p_o = out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+        gl.store(p_o, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=(o_h < H)[:, None],
+                 eviction_policy="evict_first")
+
+    @gluon.jit
+    def _load_q(q_ptr, i_t, i_hb, H, stride_qt, stride_qh, s_ql, s_qr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
+                BLOCK_H: gl.constexpr):
+        # this program's q [BLOCK_H, D_LAT + D_ROPE] into shared memory, QT columns at a time (the
+        # whole latent in registers would spill); heads >= H zero
+        GQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        QT: gl.constexpr = 128
+        o_hq = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GQ))
+        m_hq = (o_hq < H)[:, None]
+        p_q = q_ptr + i_t * stride_qt + o_hq[:, None] * stride_qh
+        o_tq = gl.arange(0, QT, layout=gl.SliceLayout(0, GQ))
+        for c in gl.static_range(D_LAT // QT):
+            s_ql.slice(c * QT, QT, dim=1).store(
+                gl.load(p_q + c * QT + o_tq[None, :], mask=m_hq, other=0.0, eviction_policy="evict_first"))
+        if D_ROPE > 0:
+            o_rq = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GQ))
+            s_qr.store(gl.load(p_q + o_rq[None, :], mask=m_hq, other=0.0, eviction_policy="evict_first"))
+
+    @gluon.jit
+    def _scores(q_ptr, stride_qt, stride_qh, s_ql, s_qr, s_kl, s_kr, s_p, s_f, s_inv, full, empty, pfull, done,
+                p_idx, n_use, n_blk, N, scale, scale_log2, sink_ptr, out_ptr, ml_ptr, lse_ptr, i_t, i_hb, H,
+                stride_ot, stride_oh, HAS_SINK: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DS: gl.constexpr, TAU: gl.constexpr):
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, DS, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        SHP: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        _load_q(q_ptr, i_t, i_hb, H, stride_qt, stride_qh, s_ql, s_qr, D_LAT, D_ROPE, BLOCK_H)
+        hopper.fence_async_shared()
+        gl.thread_barrier()
+        zs = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+        # m_i: the exponent's shift, m_x: the exact max, both in raw q.k units (scale > 0)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+        m_x = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+        l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+        acc = gl.zeros([BLOCK_H, DS], gl.float32, O_L)
+        o_ns = gl.arange(0, BLOCK_N, layout=COL_S)
+        b_col = gl.load(p_idx + o_ns, mask=o_ns < n_use, other=-1)
+        for i in range(n_blk):
+            buf = i % 2
+            # the next block's row numbers (validity) load while this block's rows land
+            o_nx = (i + 1) * BLOCK_N + o_ns
+            b_nx = gl.load(p_idx + o_nx, mask=o_nx < n_use, other=-1)
+            m_n = (b_col >= 0) & (b_col < N)
+            mbarrier.wait(full.index(buf), (i // 2) & 1)
+            s_lat = s_kl.index(buf)
+            if D_ROPE > 0:
+                t_s = hopper.warpgroup_mma(s_qr, s_kr.index(buf).permute((1, 0)), zs, use_acc=False, is_async=True)
+                t_s = hopper.warpgroup_mma(s_ql, s_lat.permute((1, 0)), t_s, is_async=True)
+            else:
+                t_s = hopper.warpgroup_mma(s_ql, s_lat.permute((1, 0)), zs, use_acc=False, is_async=True)
+            b_s = hopper.warpgroup_mma_wait(0, deps=[t_s])
+            # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
+            b_s = gl.where(m_n[None, :], _keep_faults(b_s), float("-inf"))
+            m_blk = gl.max(b_s, 1)
+            m_x = gl.maximum(m_x, m_blk)
+            # lazy rescaling (sm90_kn.py): the shift follows the max only when it rose by more than TAU
+            up = m_blk * scale_log2 > m_i * scale_log2 + TAU
+            m_new = gl.where(up, m_blk, m_i)
+            # a head with nothing valid yet keeps -inf; shift by 0 there so no inf - inf appears
+            m_sh = gl.where(m_new == float("-inf"), 0.0, m_new * scale_log2)
+            b_p = gl.exp2(b_s * scale_log2 - m_sh[:, None])
+            alpha = gl.exp2(m_i * scale_log2 - m_sh)
+            l_i = l_i * alpha + gl.sum(b_p, 1)
+            m_i = m_new
+            p16 = b_p.to(gl.bfloat16)
+            # the value warpgroup's P and rescale factor (P in the stage's rope buffer, read already)
+            s_p.index(buf)._reinterpret(gl.bfloat16, [BLOCK_H, BLOCK_N], SHP).store(p16)
+            s_f.index(buf).store(alpha)
+            hopper.fence_async_shared()
+            mbarrier.arrive(pfull.index(buf))
+            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+            t_o = hopper.warpgroup_mma(gl.convert_layout(p16, P_L), s_lat.slice(0, DS, dim=1), acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(0, deps=[t_o])
+            mbarrier.arrive(empty.index(buf))
+            b_col = b_nx
+        o_hs = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
+        m_hs = o_hs < H
+        inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_hs, m_hs, HAS_SINK)
+        s_inv.store(inv)
+        mbarrier.arrive(done)
+        _store_cols(acc, gl.convert_layout(inv, ROW_O), 0, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+        gl.store(ml_ptr + i_t * H + o_hs, _max_logits(m_x, lse, scale), mask=m_hs)
+        gl.store(lse_ptr + i_t * H + o_hs, lse, mask=m_hs)
+
+    @gluon.jit
+    def _values(s_kl, s_p, s_f, s_inv, empty, pfull, done, n_blk, out_ptr, i_t, i_hb, H, stride_ot, stride_oh,
+                D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DS: gl.constexpr):
+        # output columns DS .. D_LAT in three chunks of DS (a shared-memory slice starts at a
+        # multiple of its width, so no single wgmma takes 256 columns from DS = 128)
+        gl.static_assert(D_LAT == 4 * DS)
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, DS, 16])
+        SHP: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        acc_a = gl.zeros([BLOCK_H, DS], gl.float32, O_L)
+        acc_b = acc_a
+        acc_c = acc_a
+        for i in range(n_blk):
+            buf = i % 2
+            mbarrier.wait(pfull.index(buf), (i // 2) & 1)
+            f = s_f.index(buf).load(ROW_O)[:, None]
+            p = s_p.index(buf)._reinterpret(gl.bfloat16, [BLOCK_H, BLOCK_N], SHP)
+            s_v = s_kl.index(buf)
+            t_a = hopper.warpgroup_mma(p, s_v.slice(DS, DS, dim=1), acc_a * f, is_async=True)
+            t_b = hopper.warpgroup_mma(p, s_v.slice(2 * DS, DS, dim=1), acc_b * f, is_async=True)
+            t_c = hopper.warpgroup_mma(p, s_v.slice(3 * DS, DS, dim=1), acc_c * f, is_async=True)
+            acc_a, acc_b, acc_c = hopper.warpgroup_mma_wait(0, deps=[t_a, t_b, t_c])
+            mbarrier.arrive(empty.index(buf))
+        mbarrier.wait(done, 0)
+        inv = s_inv.load(ROW_O)
+        _store_cols(acc_a, inv, DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+        _store_cols(acc_b, inv, 2 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+        _store_cols(acc_c, inv, 3 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+
+    @gluon.jit
     def sparse_mla_prefill_sm90_kernel(
         q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, ml_ptr, lse_ptr,
         H, N, TOPK, NUM_HB,
@@ -90,120 +271,66 @@ if _GLUON:
         scale, scale_log2,
         HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, OFF32: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        DS: gl.constexpr, TAU: gl.constexpr, V_REGS: gl.constexpr, P_REGS: gl.constexpr,
     ):
-        # scores [heads, rows]: each warpgroup half of the rows; output [heads, 512]: each
-        # warpgroup half of the columns; P enters the value wgmma from registers
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, BLOCK_N // 2, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, D_LAT // 2, 16])
-        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        # gathers: 16-byte vectors, 8 threads per 128 bytes of a row, 2 rows per thread per 64
-        G_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        ROW_G: gl.constexpr = gl.SliceLayout(1, G_L)
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
-        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        SHP: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+        SH1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
         # the head blocks of one token are neighbouring programs: they gather the same rows
         i_p = gl.program_id(0)
         i_t = (i_p // NUM_HB).to(gl.int64)
         i_hb = i_p % NUM_HB
-
-        o_hg = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_G)
-        p_q = q_ptr + i_t * stride_qt + o_hg[:, None] * stride_qh
-        o_lg = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, G_L))
-        b_ql = gl.load(p_q + o_lg[None, :], mask=(o_hg < H)[:, None], other=0.0)
-        s_ql = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], SH, b_ql)
+        s_ql = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], SH)
         s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
-        s_kr = s_kl  # no rope buffers for 512-wide rows (D_ROPE = 0): never read
         if D_ROPE > 0:
-            o_rg = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, G_L))
-            b_qr = gl.load(p_q + o_rg[None, :], mask=(o_hg < H)[:, None], other=0.0)
-            s_qr = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], SH, b_qr)
+            s_qr = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], SH)
             s_kr = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], SH)
+            gl.static_assert(D_ROPE == BLOCK_H)  # P [BLOCK_H, BLOCK_N] fills a stage's rope buffer
+            s_p = s_kr
+        else:  # 512-wide rows: no rope (s_qr, s_kr are never read), P in buffers of its own
+            s_qr = s_ql
+            s_kr = s_kl
+            s_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], SHP)
+        s_f = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], SH1)
+        s_inv = gl.allocate_shared_memory(gl.float32, [BLOCK_H], SH1)
+        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(full.index(b), count=128)  # every producer thread's copies
+            mbarrier.init(empty.index(b), count=2)  # the score and the value warpgroups
+            mbarrier.init(pfull.index(b), count=1)
+        mbarrier.init(done, count=1)
 
         n_use = TOPK
         if HAS_LEN:
             n_use = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
         n_blk = gl.cdiv(n_use, BLOCK_N)
-
         p_idx = idx_ptr + i_t * stride_it
-        o_ng = gl.arange(0, BLOCK_N, layout=ROW_G)
-        o_ns = gl.arange(0, BLOCK_N, layout=COL_S)
-        b_idx = gl.load(p_idx + o_ng, mask=o_ng < n_use, other=-1)
-        _copy_rows(kv_ptr, b_idx, N, stride_kv, s_kl.index(0), s_kr.index(0), G_L, D_LAT, D_ROPE, OFF32)
-        b_nx = gl.load(p_idx + BLOCK_N + o_ng, mask=BLOCK_N + o_ng < n_use, other=-1)
-
-        # m_i is the running max of the raw q.k (scale > 0), so max_logits = scale * m_i exactly
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
-        l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
-        acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, O_L)
-        for i in range(n_blk):
-            buf = i % 2
-            # every warp has finished the value wgmma of block i-1, which read the buffer that
-            # block i+1 is gathered into now (past the end: all indices -1, nothing is read)
-            gl.thread_barrier()
-            _copy_rows(kv_ptr, b_nx, N, stride_kv, s_kl.index(1 - buf), s_kr.index(1 - buf), G_L,
-                       D_LAT, D_ROPE, OFF32)
-            o_nx = (i + 2) * BLOCK_N + o_ng
-            b_nx = gl.load(p_idx + o_nx, mask=o_nx < n_use, other=-1)
-            o_n = i * BLOCK_N + o_ns
-            b_col = gl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
-            m_n = (b_col >= 0) & (b_col < N)
-
-            # block i's rows have landed (all but the newest copy group), for every thread, and
-            # are visible to the tensor cores' (async proxy) reads
-            cp.wait_group(1)
-            hopper.fence_async_shared()
-            gl.thread_barrier()
-            s_lat = s_kl.index(buf)
-            s_rope = s_kr.index(buf)
-            b_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
-            if D_ROPE > 0:
-                t_s = hopper.warpgroup_mma(s_qr, s_rope.permute((1, 0)), b_s, use_acc=False, is_async=True)
-                t_s = hopper.warpgroup_mma(s_ql, s_lat.permute((1, 0)), t_s, is_async=True)
-            else:
-                t_s = hopper.warpgroup_mma(s_ql, s_lat.permute((1, 0)), b_s, use_acc=False, is_async=True)
-            b_s = hopper.warpgroup_mma_wait(0, deps=[t_s])
-            # a NaN or inf score of a valid row turns NaN (kernels/softmax.py): the query ends NaN
-            b_s = gl.where(m_n[None, :], _keep_faults(b_s), float("-inf"))
-
-            m_new = gl.maximum(m_i, gl.max(b_s, 1))
-            # a head with nothing valid yet keeps max -inf; shift by 0 there so no inf - inf appears
-            m_sh = gl.where(m_new == float("-inf"), 0.0, m_new * scale_log2)
-            b_p = gl.exp2(b_s * scale_log2 - m_sh[:, None])
-            alpha = gl.exp2(m_i * scale_log2 - m_sh)
-            l_i = l_i * alpha + gl.sum(b_p, 1)
-            m_i = m_new
-            b_pv = gl.convert_layout(b_p.to(gl.bfloat16), P_L)
-            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
-            t_o = hopper.warpgroup_mma(b_pv, s_lat, acc, is_async=True)
-            acc = hopper.warpgroup_mma_wait(0, deps=[t_o])
-        cp.wait_group(0)
-
-        o_hs = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
-        inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_hs, o_hs < H, HAS_SINK)
-        o_ho = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
-        o_do = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, O_L))
-        b_o = acc * gl.convert_layout(inv, ROW_O)[:, None]
-        p_o = out_ptr + i_t * stride_ot + o_ho[:, None] * stride_oh + o_do[None, :]
-        gl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=(o_ho < H)[:, None])
-        gl.store(ml_ptr + i_t * H + o_hs, _max_logits(m_i, lse, scale), mask=o_hs < H)
-        gl.store(lse_ptr + i_t * H + o_hs, lse, mask=o_hs < H)
+        gl.warp_specialize(
+            [(_scores, (q_ptr, stride_qt, stride_qh, s_ql, s_qr, s_kl, s_kr, s_p, s_f, s_inv, full, empty, pfull,
+                        done, p_idx, n_use, n_blk, N, scale, scale_log2, sink_ptr, out_ptr, ml_ptr, lse_ptr, i_t,
+                        i_hb, H, stride_ot, stride_oh, HAS_SINK, D_LAT, D_ROPE, BLOCK_H, BLOCK_N, DS, TAU)),
+             (_values, (s_kl, s_p, s_f, s_inv, empty, pfull, done, n_blk, out_ptr, i_t, i_hb, H, stride_ot,
+                        stride_oh, D_LAT, BLOCK_H, BLOCK_N, DS)),
+             (_producer, (kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty, BLOCK_N, D_LAT,
+                          D_ROPE, OFF32))],
+            [4, 4], [V_REGS, P_REGS])
 
 
 def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
            d_lat, d_rope, kernel=None, block_h=BLOCK_H, **config):
-    """Run the kernel (or `kernel`, a Gluon prefill kernel with the same arguments: the keys-on-M
-    one passes itself, its head block and its `config`) on validated inputs into the given
-    outputs (T >= 1, H >= 1)."""
+    """Run the 64-head kernel (or `kernel`, a Gluon prefill kernel with the same leading arguments:
+    the keys-on-M one passes itself, its head block and its `config`) on validated inputs into the
+    given outputs (T >= 1, H >= 1)."""
     T, H, _ = q.shape
     N, topk = kv.shape[0], indices.shape[1]
     num_hb = triton.cdiv(H, block_h)
     if kernel is None:
-        kernel, config = sparse_mla_prefill_sm90_kernel, dict(BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+        kernel, config = sparse_mla_prefill_sm90_kernel, dict(BLOCK_N=BLOCK_N, DS=SCORE_COLS, TAU=TAU,
+                                                              V_REGS=V_REGS, P_REGS=P_REGS, num_warps=NUM_WARPS)
     kernel[(T * num_hb,)](
         q, kv, indices,
         topk_length if topk_length is not None else indices,

@@ -54,9 +54,8 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-    from openmla.kernels.sparse_mla_prefill.sm90 import _finish_rows, _keep_faults, _max_logits
+    from openmla.kernels.sparse_mla_prefill.sm90 import _finish_rows, _keep_faults, _max_logits, _producer
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
@@ -114,56 +113,6 @@ def block_h(H: int) -> int:
 
 
 if _GLUON:
-
-    @gluon.jit
-    def _load_rows(p_idx, k0, n_use, BLOCK_N: gl.constexpr):
-        # the row numbers of block k0..k0+BLOCK_N-1 in both gather layouts (-1 past n_use)
-        GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        o_l = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GL))
-        o_r = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GR))
-        return (gl.load(p_idx + o_l, mask=o_l < n_use, other=-1),
-                gl.load(p_idx + o_r, mask=o_r < n_use, other=-1))
-
-    @gluon.jit
-    def _gather(kv_ptr, i_l, i_r, N, stride_kv, s_lat, s_rope, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
-                OFF32: gl.constexpr):
-        # start the copy of the rows i_l / i_r (the same rows in two layouts): the latent part with
-        # 256 contiguous bytes of a row per warp instruction, the rope part with 128; a row
-        # outside [0, N) is masked (zero-filled), never read
-        GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        if OFF32:
-            p_l = kv_ptr + i_l * stride_kv
-            p_r = kv_ptr + i_r * stride_kv
-        else:
-            p_l = kv_ptr + i_l.to(gl.int64) * stride_kv
-            p_r = kv_ptr + i_r.to(gl.int64) * stride_kv
-        p_l = gl.multiple_of(p_l, 16)
-        p_r = gl.multiple_of(p_r, 16)
-        c_l = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GL))
-        cp.async_copy_global_to_shared(s_lat, p_l[:, None] + c_l[None, :],
-                                       mask=((i_l >= 0) & (i_l < N))[:, None])
-        if D_ROPE > 0:  # 512-wide (V4) rows have no rope part
-            c_r = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GR))
-            cp.async_copy_global_to_shared(s_rope, p_r[:, None] + c_r[None, :],
-                                           mask=((i_r >= 0) & (i_r < N))[:, None])
-
-    @gluon.jit
-    def _producer(kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
-                  BLOCK_N: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OFF32: gl.constexpr,
-                  NUM_STAGES: gl.constexpr = 2):
-        # block i into stage i % NUM_STAGES once its consumers released it; the row numbers of
-        # block i + 1 are loaded while block i waits for its stage (off the critical path); the
-        # stage's full barrier completes when every producer thread's copies have landed (also the
-        # 64-head warp-specialised kernel's producer, sm90_ws.py)
-        i_l, i_r = _load_rows(p_idx, 0, n_use, BLOCK_N)
-        for i in range(n_blk):
-            s = i % NUM_STAGES
-            mbarrier.wait(empty.index(s), ((i // NUM_STAGES) & 1) ^ 1)
-            _gather(kv_ptr, i_l, i_r, N, stride_kv, s_kl.index(s), s_kr.index(s), D_LAT, D_ROPE, OFF32)
-            cp.mbarrier_arrive(full.index(s), increment_count=False)
-            i_l, i_r = _load_rows(p_idx, (i + 1) * BLOCK_N, n_use, BLOCK_N)
 
     @gluon.jit
     def _consumer(s_kl, s_kr, s_ql, s_qr, s_p, s_ml, full, empty, p_idx, n_use, n_blk, N,
