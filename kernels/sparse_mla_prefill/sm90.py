@@ -7,8 +7,8 @@ conversion):
 - the producer (P_REGS registers; `_producer`, also the keys-on-M kernel's) gathers block i (64
   rows: latent and rope, 16-byte cp.async, rows outside [0, N) zero-filled and never read) into
   stage i % 2 once both consumers have released it;
-- the score warpgroup (the default partition: the registers the workers leave) loads q into shared
-  memory (while the producer gathers the first blocks), then per block computes S [64 heads, 64
+- the score warpgroup (the default partition: the registers the workers leave) copies q into shared
+  memory (cp.async, while the producer gathers the first blocks), then per block computes S [64 heads, 64
   keys] (one wgmma chain: rope, then latent), the online softmax, stores P (bf16) and the heads'
   rescale factor into shared memory for the value warpgroup and adds P V[:, :SCORE_COLS] into its
   part of the output (P from registers);
@@ -20,8 +20,8 @@ value work. P of a block goes into its stage's rope buffer (the score wgmma has 
 is refilled only after both consumers released it): [64 heads, 64 keys] bf16 is the size of
 [64 keys, 64] rope; 512-wide rows (DeepSeek-V4, no rope) get P buffers of their own. The shift of
 the exponent follows a head's running max lazily (as in sm90_kn.py: only when the max rose by more
-than 2^TAU), the exact max kept for max_logits. q and the output stream past L2 (evict-first), so
-that they do not push the gathered rows out.
+than 2^TAU), the exact max kept for max_logits. The output streams past L2 (evict-first), so that
+it does not push the gathered rows out.
 Shared memory: q 72 KB + two 72 KB stages: one program per SM.
 
 Also here: the row copy of the bf16-cache decode kernel (`copy_rows_at`) and the launcher of both
@@ -64,9 +64,10 @@ P_REGS = 64  # registers of the producer (at 56 it spills); the score warpgroup 
 
 def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether this kernel serves these inputs: Gluon kernels may run on their device
-    (`sm90_gluon`), and kv rows start on 16 bytes (the row copies are 16-byte cp.async; other
-    strides or offsets take the Triton kernel)."""
-    return sm90_gluon(q.device) and kv.data_ptr() % 16 == 0 and kv.stride(0) % 8 == 0
+    (`sm90_gluon`), and q and kv rows start on 16 bytes (the row copies are 16-byte cp.async;
+    other strides or offsets take the Triton kernel)."""
+    return (sm90_gluon(q.device) and kv.data_ptr() % 16 == 0 and kv.stride(0) % 8 == 0
+            and q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
 
 
 if _GLUON:
@@ -84,39 +85,33 @@ if _GLUON:
             cp.async_copy_global_to_shared(s_rope, p_kv[:, None] + o_r[None, :], mask=m_n[:, None])
         cp.commit_group()
 
-    @gluon.jit
-    def _load_rows(p_idx, k0, n_use, BLOCK_N: gl.constexpr):
-        # the row numbers of block k0..k0+BLOCK_N-1 in both gather layouts (-1 past n_use)
-        GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        o_l = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GL))
-        o_r = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GR))
-        return (gl.load(p_idx + o_l, mask=o_l < n_use, other=-1),
-                gl.load(p_idx + o_r, mask=o_r < n_use, other=-1))
+    # the gather layout: 128 contiguous bytes of a row (one 128-byte swizzle line) per 8 threads,
+    # four rows per warp instruction (faster than 256 or 64 bytes a row: docs/notes/
+    # sparse_mla_prefill.md, "The gather's layout")
+    _G = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
     @gluon.jit
-    def _gather(kv_ptr, i_l, i_r, N, stride_kv, s_lat, s_rope, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
+    def _load_rows(p_idx, k0, n_use, BLOCK_N: gl.constexpr):
+        # the row numbers of block k0..k0+BLOCK_N-1 (-1 past n_use)
+        o_n = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _G))
+        return gl.load(p_idx + o_n, mask=o_n < n_use, other=-1)
+
+    @gluon.jit
+    def _gather(kv_ptr, i_n, N, stride_kv, s_lat, s_rope, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
                 OFF32: gl.constexpr):
-        # start the copy of the rows i_l / i_r (the same rows in two layouts): the latent part with
-        # 256 contiguous bytes of a row per warp instruction, the rope part with 128; a row
-        # outside [0, N) is masked (zero-filled), never read
-        GL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        # start the copy of the rows i_n, latent and rope; a row outside [0, N) is masked
+        # (zero-filled), never read
         if OFF32:
-            p_l = kv_ptr + i_l * stride_kv
-            p_r = kv_ptr + i_r * stride_kv
+            p_n = kv_ptr + i_n * stride_kv
         else:
-            p_l = kv_ptr + i_l.to(gl.int64) * stride_kv
-            p_r = kv_ptr + i_r.to(gl.int64) * stride_kv
-        p_l = gl.multiple_of(p_l, 16)
-        p_r = gl.multiple_of(p_r, 16)
-        c_l = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GL))
-        cp.async_copy_global_to_shared(s_lat, p_l[:, None] + c_l[None, :],
-                                       mask=((i_l >= 0) & (i_l < N))[:, None])
+            p_n = kv_ptr + i_n.to(gl.int64) * stride_kv
+        p_n = gl.multiple_of(p_n, 16)
+        m_n = ((i_n >= 0) & (i_n < N))[:, None]
+        c_l = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, _G))
+        cp.async_copy_global_to_shared(s_lat, p_n[:, None] + c_l[None, :], mask=m_n)
         if D_ROPE > 0:  # 512-wide (V4) rows have no rope part
-            c_r = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GR))
-            cp.async_copy_global_to_shared(s_rope, p_r[:, None] + c_r[None, :],
-                                           mask=((i_r >= 0) & (i_r < N))[:, None])
+            c_r = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, _G))
+            cp.async_copy_global_to_shared(s_rope, p_n[:, None] + c_r[None, :], mask=m_n)
 
     @gluon.jit
     def _producer(kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty,
@@ -125,13 +120,13 @@ if _GLUON:
         # block i into stage i % 2 once its consumers released it; the row numbers of block i + 1
         # are loaded while block i waits for its stage (off the critical path); the stage's full
         # barrier completes when every producer thread's copies have landed
-        i_l, i_r = _load_rows(p_idx, 0, n_use, BLOCK_N)
+        i_n = _load_rows(p_idx, 0, n_use, BLOCK_N)
         for i in range(n_blk):
             s = i % 2
             mbarrier.wait(empty.index(s), ((i // 2) & 1) ^ 1)
-            _gather(kv_ptr, i_l, i_r, N, stride_kv, s_kl.index(s), s_kr.index(s), D_LAT, D_ROPE, OFF32)
+            _gather(kv_ptr, i_n, N, stride_kv, s_kl.index(s), s_kr.index(s), D_LAT, D_ROPE, OFF32)
             cp.mbarrier_arrive(full.index(s), increment_count=False)
-            i_l, i_r = _load_rows(p_idx, (i + 1) * BLOCK_N, n_use, BLOCK_N)
+            i_n = _load_rows(p_idx, (i + 1) * BLOCK_N, n_use, BLOCK_N)
 
     @gluon.jit
     def _store_cols(acc, inv, C0: gl.constexpr, out_ptr, i_t, i_hb, H, stride_ot, stride_oh,
@@ -146,20 +141,22 @@ if _GLUON:
     @gluon.jit
     def _load_q(q_ptr, i_t, i_hb, H, stride_qt, stride_qh, s_ql, s_qr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
                 BLOCK_H: gl.constexpr):
-        # this program's q [BLOCK_H, D_LAT + D_ROPE] into shared memory, QT columns at a time (the
-        # whole latent in registers would spill); heads >= H zero
-        GQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        QT: gl.constexpr = 128
+        # this program's q [BLOCK_H, D_LAT + D_ROPE] into shared memory by cp.async: every copy in
+        # flight at once (one round trip), then waited for; heads >= H zero-filled
+        GQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        # (q rows start on 16 bytes: `usable`)
         o_hq = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GQ))
-        m_hq = (o_hq < H)[:, None]
-        p_q = q_ptr + i_t * stride_qt + o_hq[:, None] * stride_qh
-        o_tq = gl.arange(0, QT, layout=gl.SliceLayout(0, GQ))
-        for c in gl.static_range(D_LAT // QT):
-            s_ql.slice(c * QT, QT, dim=1).store(
-                gl.load(p_q + c * QT + o_tq[None, :], mask=m_hq, other=0.0, eviction_policy="evict_first"))
+        p_q = gl.multiple_of(q_ptr + i_t * stride_qt + o_hq * stride_qh, 16)
+        o_lq = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GQ))
+        cp.async_copy_global_to_shared(s_ql, p_q[:, None] + o_lq[None, :], mask=(o_hq < H)[:, None])
         if D_ROPE > 0:
-            o_rq = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GQ))
-            s_qr.store(gl.load(p_q + o_rq[None, :], mask=m_hq, other=0.0, eviction_policy="evict_first"))
+            o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GR))
+            p_r = gl.multiple_of(q_ptr + i_t * stride_qt + o_hr * stride_qh, 16)
+            o_rq = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GR))
+            cp.async_copy_global_to_shared(s_qr, p_r[:, None] + o_rq[None, :], mask=(o_hr < H)[:, None])
+        cp.commit_group()
+        cp.wait_group(0)
 
     @gluon.jit
     def _scores(q_ptr, stride_qt, stride_qh, s_ql, s_qr, s_kl, s_kr, s_p, s_f, s_inv, full, empty, pfull, done,
