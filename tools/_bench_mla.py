@@ -109,6 +109,11 @@ _DECODE_SMALL = [dict(cache="fp8", tokens=4, heads=16, topk=128, slots=4096, blo
 # small batches (1-16 tokens): the split rule's regime, where the tokens alone leave SMs idle
 _DECODE_BATCH = [dict(cache="fp8", tokens=t, heads=h, topk=2048, slots=262144, block_size=64)
                  for t in (1, 2, 4, 8, 16) for h in (16, 32, 64, 128)]
+# issue 23's decode table (fp8, FlashMLA's shapes): 128 / 32 tokens at 64 and 128 heads, 8 tokens at
+# 128, topk 1024 and 16384 at 128 heads, one token at 16
+_DECODE_ISSUE23 = [dict(cache="fp8", tokens=t, heads=h, topk=k, slots=262144, block_size=64)
+                   for t, h, k in ((128, 64, 2048), (32, 64, 2048), (128, 128, 2048), (32, 128, 2048),
+                                   (8, 128, 2048), (64, 128, 1024), (148, 128, 16384), (1, 16, 2048))]
 _decode_label = lambda p: f"{p['cache']}-T{p['tokens']}-H{p['heads']}-topk{p['topk']}"  # noqa: E731
 register(Op(
     name="sparse_mla_decode",
@@ -118,6 +123,7 @@ register(Op(
         "host": _DECODE_HOST,
         "batch": _DECODE_BATCH,
         "small": _DECODE_SMALL,
+        "issue23": _DECODE_ISSUE23,
     },
     build=_decode_build, run=_decode_run, torch_ref=_decode_torch, error=_decode_error,
     count=_decode_count, label=_decode_label, peer=decode_peer(),
