@@ -65,6 +65,8 @@ def _pick_config(q, H: int, space=_SPACE) -> dict:
 WAVES = 2  # at most about two rounds of resident programs
 MIN_STEPS = 5  # shorter splits spend more on the q prologue, partial stores and the merge
 MIN_FILL = 0.9  # share of the resident-program slots the last round must keep busy
+LONG_STEPS = 32  # key blocks a split keeps when a one-round kernel splits a long list for the rounds' fill
+LONG_FILL = 0.95  # the rounds' fill such a split aims for
 
 
 def _split_chunk(topk: int, splits: int, block_n: int) -> int:
@@ -90,6 +92,8 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
     floor = topk // (MIN_STEPS * cfg["BLOCK_N"])
     one_round = min(slots // base, triton.cdiv(topk, cfg["BLOCK_N"])) if floor else 1
     if cfg.get("one_round"):
+        if base > slots and topk >= 2 * LONG_STEPS * cfg["BLOCK_N"]:
+            return _long_splits(base, slots, topk, cfg["BLOCK_N"])
         # the Gluon kernels (one program per SM): a single round, as each split pays the q
         # prologue and a partial row for each of its heads (the timings against the two-round
         # rule: docs/notes/sparse_mla_decode.md)
@@ -102,6 +106,24 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
         n = base * s
         fill = n / (triton.cdiv(n, slots) * slots)
         if fill >= MIN_FILL or fill > best_fill + 1e-9 and best_fill < MIN_FILL:
+            best, best_fill = s, fill
+    return best
+
+
+def _long_splits(base: int, slots: int, topk: int, block_n: int) -> int:
+    """A one-round kernel's split count where its programs fill more than one round and each has a
+    long list (topk 16384 at 148 tokens x 2 head blocks: 296 programs on 132 SMs leave the third
+    round a quarter full). The fewest splits of at least LONG_STEPS key blocks whose rounds are
+    LONG_FILL full; failing that, the fullest. A split of that length pays its q prologue and its
+    partial rows (written, then merged) on under a tenth of its work."""
+    best, best_fill = 1, base / (triton.cdiv(base, slots) * slots)
+    for s in range(2, topk // (LONG_STEPS * block_n) + 1):
+        s = triton.cdiv(topk, _split_chunk(topk, s, block_n))
+        n = base * s
+        fill = n / (triton.cdiv(n, slots) * slots)
+        if best_fill >= LONG_FILL:
+            break
+        if fill > best_fill + 1e-9:
             best, best_fill = s, fill
     return best
 
