@@ -18,7 +18,7 @@ def fill(programs, slots):
     (148, 2, 4096, 2),  # the longest split count the 32-block floor allows
     (128, 2, 2048, 1),  # 256 programs fill 2 rounds 97 %: no split
     (148, 2, 2048, 1),  # a list of 32 blocks is too short to split past one round
-    (64, 2, 1024, 1),  # one round, a list of 16 blocks: below MIN_STEPS x the round's spare
+    (64, 2, 1024, 1),  # 128 programs fit one round of 132: no split
     (8, 2, 2048, 8),  # the tokens leave SMs idle: the first round filled
 ])
 def test_one_round_split_counts(T, num_hb, topk, want):
