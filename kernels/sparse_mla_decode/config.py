@@ -69,6 +69,11 @@ LONG_STEPS = 32  # key blocks a split keeps when a one-round kernel splits a lon
 LONG_FILL = 0.95  # the rounds' fill such a split aims for
 
 
+def _fill(programs: int, slots: int) -> float:
+    """The share of the rounds' program slots that `programs` keep busy."""
+    return programs / (triton.cdiv(programs, slots) * slots)
+
+
 def _split_chunk(topk: int, splits: int, block_n: int) -> int:
     """Keys per split: a multiple of BLOCK_N; ceil(topk / chunk) splits actually run."""
     return triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n
@@ -103,8 +108,7 @@ def _pick_splits(T: int, num_hb: int, topk: int, cfg: dict, num_sms: int) -> int
     best, best_fill = 1, 0.0
     for s in range(1, most + 1):
         s = triton.cdiv(topk, _split_chunk(topk, s, cfg["BLOCK_N"]))
-        n = base * s
-        fill = n / (triton.cdiv(n, slots) * slots)
+        fill = _fill(base * s, slots)
         if fill >= MIN_FILL or fill > best_fill + 1e-9 and best_fill < MIN_FILL:
             best, best_fill = s, fill
     return best
@@ -116,13 +120,12 @@ def _long_splits(base: int, slots: int, topk: int, block_n: int) -> int:
     round a quarter full). The fewest splits of at least LONG_STEPS key blocks whose rounds are
     LONG_FILL full; failing that, the fullest. A split of that length pays its q prologue and its
     partial rows (written, then merged) on under a tenth of its work."""
-    best, best_fill = 1, base / (triton.cdiv(base, slots) * slots)
+    best, best_fill = 1, _fill(base, slots)
     for s in range(2, topk // (LONG_STEPS * block_n) + 1):
-        s = triton.cdiv(topk, _split_chunk(topk, s, block_n))
-        n = base * s
-        fill = n / (triton.cdiv(n, slots) * slots)
         if best_fill >= LONG_FILL:
             break
+        s = triton.cdiv(topk, _split_chunk(topk, s, block_n))
+        fill = _fill(base * s, slots)
         if fill > best_fill + 1e-9:
             best, best_fill = s, fill
     return best
