@@ -144,16 +144,15 @@ if _GLUON:
         # this program's q [BLOCK_H, D_LAT + D_ROPE] into shared memory by cp.async: every copy in
         # flight at once (one round trip), then waited for; heads >= H zero-filled
         GQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         # (q rows start on 16 bytes: `usable`)
         o_hq = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GQ))
         p_q = gl.multiple_of(q_ptr + i_t * stride_qt + o_hq * stride_qh, 16)
         o_lq = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GQ))
         cp.async_copy_global_to_shared(s_ql, p_q[:, None] + o_lq[None, :], mask=(o_hq < H)[:, None])
         if D_ROPE > 0:
-            o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GR))
+            o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, _G))  # (the gathers' layout)
             p_r = gl.multiple_of(q_ptr + i_t * stride_qt + o_hr * stride_qh, 16)
-            o_rq = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, GR))
+            o_rq = D_LAT + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, _G))
             cp.async_copy_global_to_shared(s_qr, p_r[:, None] + o_rq[None, :], mask=(o_hr < H)[:, None])
         cp.commit_group()
         cp.wait_group(0)

@@ -41,6 +41,6 @@ def test_long_splits_fill_and_length():
             chunk = config._split_chunk(topk, s, 64)
             assert s == 1 or chunk >= config.LONG_STEPS * 64, (T, topk, s)
             assert fill(base * s, slots) >= fill(base, slots) - 1e-9
-            counts = [c for c in range(1, topk // (config.LONG_STEPS * 64) + 1)]
+            counts = range(1, topk // (config.LONG_STEPS * 64) + 1)
             if any(fill(base * c, slots) >= config.LONG_FILL for c in counts):
                 assert fill(base * s, slots) >= config.LONG_FILL, (T, topk, s)
