@@ -48,12 +48,15 @@ _BUCKETS = 128
 # Lists of at most this many keys are ranked by comparing all pairs (one step; half-size tiles for
 # lists of at most half), longer ones by radix
 _PAIRWISE = 256
+_RANK_CHUNK = tl.constexpr(32)
 # The K-th key's bucket is listed for the last stage when it holds at most this many keys, else
 # that stage reads the row again (correct for any row; slower for rows of many equal keys).
 _CANDIDATES = 2048
 _PROGRAMS_PER_SM = 8
 _SPLIT_BLOCK = 1024
 _SPLIT_MIN_COLUMNS = 8192
+# Warps of the split path's last stage (one program a row: the ranking of the K-th key's bucket)
+_FINISH_WARPS = 8
 
 
 @triton.jit
@@ -67,7 +70,8 @@ def _order_key(x):
 @triton.jit
 def _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n,
                 ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr):
-    """[start, end) of row i_r, clipped to [0, L]."""
+    """[start, end) of row i_r, clipped to [0, L] (int32: every column index of a row is)."""
+    i_r = i_r.to(tl.int32)
     if HAS_STARTS:
         start = tl.load(starts_ptr + i_r)
     else:
@@ -147,9 +151,9 @@ def _bucket_range(t, k_max, k_min, NBINS: tl.constexpr):
 def _bucket(key, x, k_max, lo, scale, NBINS: tl.constexpr):
     """A bucket in [0, NBINS), non-decreasing in the key: NaN / +inf (keys above the largest
     finite one) in the top bucket, a logit <= lo in bucket 0."""
-    v = tl.where(x > lo, tl.minimum(x - lo, 3.0e38) * scale, 0.0)  # +inf when it overflows
-    v = tl.minimum(tl.floor(v), NBINS - 1)
-    return tl.where(key > k_max, NBINS - 1, v.to(tl.int32))
+    # x <= lo: v <= 0 -> bucket 0; the product is +inf when it overflows; NaN takes the key's branch
+    v = tl.maximum(tl.minimum(x - lo, 3.0e38) * scale, 0.0)
+    return tl.where(key > k_max, NBINS - 1, tl.minimum(v, NBINS - 1).to(tl.int32))  # trunc == floor
 
 
 @triton.jit
@@ -259,13 +263,20 @@ def _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K
 
 @triton.jit
 def _pairwise(p_out, p_cand, CAND, want, c, K, BLOCK_C: tl.constexpr):
-    """The c <= BLOCK_C listed keys ranked by comparing all pairs; rank r < want to K - want + r."""
+    """The c <= BLOCK_C listed keys ranked by comparing all pairs; rank r < want to K - want + r.
+    The other side of each pair in chunks of _RANK_CHUNK up to c (a [BLOCK_C, chunk] tile at a
+    time: a whole [BLOCK_C, BLOCK_C] tile does not fit in registers)."""
     o = tl.arange(0, BLOCK_C)
     m = o < c
     col = tl.load(p_cand + o, mask=m, other=0)
     key = tl.load(p_cand + CAND + o, mask=m, other=0).to(tl.uint32, bitcast=True)
-    above = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (o[None, :] < o[:, None]))
-    rank = tl.sum((above & m[None, :]).to(tl.int32), axis=1)
+    rank = tl.zeros([BLOCK_C], tl.int32)
+    for j0 in range(0, c, _RANK_CHUNK):
+        o_j = j0 + tl.arange(0, _RANK_CHUNK)
+        m_j = o_j < c
+        key_j = tl.load(p_cand + CAND + o_j, mask=m_j, other=0).to(tl.uint32, bitcast=True)
+        above = (key_j[None, :] > key[:, None]) | ((key_j[None, :] == key[:, None]) & (o_j[None, :] < o[:, None]))
+        rank += tl.sum((above & m_j[None, :]).to(tl.int32), axis=1)
     tl.store(p_out + K - want + rank, col, mask=m & (rank < want))
 
 
@@ -526,6 +537,7 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
     topk_split_write_kernel[(R, P)](logits, starts_arg, ends, stats, hist, suffix, out, cand,
                                     logits.stride(0), out.stride(0), *row_args, cand_len,
                                     BLOCK_K=block_k, BLOCK_P=block_p, **common)
+    common.update(num_warps=_FINISH_WARPS)
     topk_split_finish_kernel[(R,)](logits, starts_arg, ends, stats, hist, out, cand,
                                    logits.stride(0), out.stride(0), *row_args, cand_len,
                                    BLOCK_P=block_p, BLOCK_C=block_c, **common)
