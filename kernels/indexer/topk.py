@@ -26,8 +26,9 @@ Two ways to run it, one result (slot for slot):
   * a row split over P programs (decode, where a batch has few rows): a launch per stage, parts
     of whole blocks; stage 1 stores each part's bound and range, stage 2 adds each part's
     histogram into the row's (atomics) and stores its suffix sums, stage 3 places each part's
-    keys at the offsets the parts before it give, stage 4 runs one program a row. No host read
-    anywhere (CUDA-graph safe).
+    keys at the offsets the parts before it give, stage 4 runs one program a row (when the
+    grid is one wave: in stage 3's launch, in the row's last part to finish it, counted by an
+    atomic). No host read anywhere (CUDA-graph safe).
 Semantics: kernels/reference/indexer.py (topk_per_row_ref); selected sets equal the oracle's up
 to the choice among ties; the order within a row is not sorted by logit.
 """
@@ -55,7 +56,8 @@ _CANDIDATES = 2048
 _PROGRAMS_PER_SM = 8
 _SPLIT_BLOCK = 1024
 _SPLIT_MIN_COLUMNS = 8192
-# Warps of the split path's last stage (one program a row: the ranking of the K-th key's bucket)
+# Warps of the program that ranks the K-th key's bucket in the split path (its own launch, or the
+# write launch when that also finishes the row)
 _FINISH_WARPS = 8
 
 
@@ -375,12 +377,13 @@ def _row_range(stats_ptr, i_r, P, BLOCK_P: tl.constexpr, NBINS: tl.constexpr):
 
 @triton.jit
 def topk_split_stats_kernel(
-    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr,
+    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, done_ptr,
     stride_lr, stride_end_b, L, K, next_n, P,
     ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Stage 1 of a row split over P programs: each part's lower bound and finite key range;
-    part 0 zeroes the row's bucket counts (stage 2 adds into them)."""
+    part 0 zeroes the row's bucket counts (stage 2 adds into them) and its count of parts done
+    with stage 3."""
     i_r = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
@@ -394,6 +397,7 @@ def topk_split_stats_kernel(
         tl.store(p + 2, k_min.to(tl.int32, bitcast=True))
         if i_p == 0:
             tl.store(hist_ptr + i_r * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], tl.int32))
+            tl.store(done_ptr + i_r, 0)
 
 
 @triton.jit
@@ -419,14 +423,17 @@ def topk_split_bucket_kernel(
 
 @triton.jit
 def topk_split_write_kernel(
-    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, suffix_ptr, out_ptr, cand_ptr,
+    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, suffix_ptr, done_ptr, out_ptr, cand_ptr,
     stride_lr, stride_out, stride_end_b, L, K, next_n, P, CAND,
     ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, LAST_FINISHES: tl.constexpr,
 ):
     """Stage 3: each part writes its keys above the K-th key's bucket, and that bucket's keys (to
     the output when all are taken, else to the candidate list), from the offsets the parts
-    before it give, so the row reads as one program would write it."""
+    before it give, so the row reads as one program would write it. With LAST_FINISHES, stage 4
+    (the K-th key's bucket when only part of it is taken) runs in the row's last part to get
+    here: each part counts itself done with an acq_rel atomic after its stores, so the one that
+    counts P sees every part's candidates."""
     i_r = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
@@ -454,6 +461,11 @@ def topk_split_write_kernel(
         else:
             _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
                           n_gt, ge_d - n_gt, 0, NBINS, BLOCK)
+        if LAST_FINISHES and c != want:
+            tl.debug_barrier()  # every thread's stores before the count
+            if tl.atomic_add(done_ptr + i_r, 1, sem="acq_rel") == P - 1:
+                _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K, CAND,
+                        NBINS, BLOCK, BLOCK_C)
 
 
 @triton.jit
@@ -463,7 +475,8 @@ def topk_split_finish_kernel(
     ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Stage 4, one program a row: the K-th key's bucket when only part of it is taken."""
+    """Stage 4 in a launch of its own (grids of more than one wave: see _launch), one program a
+    row: the K-th key's bucket when only part of it is taken."""
     i_r = tl.program_id(0).to(tl.int64)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
     if end - start > K:
@@ -528,19 +541,26 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
     block_p = next_pow2(P)
     stats = torch.empty(R, P, 3, dtype=torch.int32, device=logits.device)
     hist = torch.empty(R, _BUCKETS, dtype=torch.int32, device=logits.device)
+    done = torch.empty(R, dtype=torch.int32, device=logits.device)
     suffix = torch.empty(R, P, _BUCKETS, dtype=torch.int32, device=logits.device)
     row_args = (stride_end_b, L, k, next_n, P)
-    topk_split_stats_kernel[(R, P)](logits, starts_arg, ends, stats, hist, logits.stride(0), *row_args,
-                                    **common)
+    topk_split_stats_kernel[(R, P)](logits, starts_arg, ends, stats, hist, done, logits.stride(0),
+                                    *row_args, **common)
     topk_split_bucket_kernel[(R, P)](logits, starts_arg, ends, stats, hist, suffix, logits.stride(0),
                                      *row_args, BLOCK_P=block_p, **common)
-    topk_split_write_kernel[(R, P)](logits, starts_arg, ends, stats, hist, suffix, out, cand,
+    # Stage 4 in the write launch when the grid is one wave (one launch less: 1-1.4 us at batch 1-8
+    # on an H200); past one wave the write programs' finishes queue behind the wave's tail and a
+    # launch of its own is faster (docs/notes/indexer.md).
+    last_finishes = R * P <= num_sms(logits.device)
+    topk_split_write_kernel[(R, P)](logits, starts_arg, ends, stats, hist, suffix, done, out, cand,
                                     logits.stride(0), out.stride(0), *row_args, cand_len,
-                                    BLOCK_K=block_k, BLOCK_P=block_p, **common)
-    common.update(num_warps=_FINISH_WARPS)
-    topk_split_finish_kernel[(R,)](logits, starts_arg, ends, stats, hist, out, cand,
-                                   logits.stride(0), out.stride(0), *row_args, cand_len,
-                                   BLOCK_P=block_p, BLOCK_C=block_c, **common)
+                                    BLOCK_K=block_k, BLOCK_P=block_p, BLOCK_C=block_c,
+                                    LAST_FINISHES=last_finishes,
+                                    **dict(common, num_warps=_FINISH_WARPS if last_finishes else 4))
+    if not last_finishes:
+        topk_split_finish_kernel[(R,)](logits, starts_arg, ends, stats, hist, out, cand,
+                                       logits.stride(0), out.stride(0), *row_args, cand_len,
+                                       BLOCK_P=block_p, BLOCK_C=block_c, **dict(common, num_warps=_FINISH_WARPS))
     return out
 
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from openmla.kernels.device import num_sms
 from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, topk_per_row
 from openmla.kernels.indexer.mqa_logits import MQA_LOGITS_CONFIGS, mqa_logits_kernel
 from openmla.kernels.reference import (indexer_q_quant_ref, indexer_topk_ref, mqa_logits_ref,
@@ -297,6 +298,35 @@ def test_topk_split_rows_equal_one_program(k):
     for P in (3, 16):  # parts of 1024 columns; of 256, four of them empty
         got = topk_per_row(x, ends, k, starts=starts, block=256, row_programs=P)
         assert torch.equal(got, one), P
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6])
+@pytest.mark.parametrize("limits", [{}, {"_PAIRWISE": 2}, {"_CANDIDATES": 3}])
+def test_topk_split_finish_in_the_write_launch(rows, limits, monkeypatch):
+    """The last stage runs in the write launch when rows x parts fit one wave (the interpreter's 8
+    SMs: 1 and 2 rows of 4 parts) and in a launch of its own otherwise (6 rows): the same slots
+    as one program, with the bucket ranked pairwise, by radix over the list, and read back from
+    the row."""
+    topk = sys.modules["openmla.kernels.indexer.topk"]
+    x = _topk_logits(6, 4000, seed=33)
+    x[0, 900:3000] = 2.0  # the k-th key's bucket: ties across every part
+    ends = torch.tensor([4000, 3999, 3500, 4000, 2500, 4000], dtype=torch.int32, device=DEVICE)[:rows]
+    x = x[:rows].contiguous()
+    for name, value in limits.items():
+        monkeypatch.setattr(topk, name, value)
+    one = topk_per_row(x, ends, 300, block=256, row_programs=1)
+    _check_topk(one, x, ends, 300)
+    launches = []
+    finish = topk.topk_split_finish_kernel
+
+    class _Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return finish[grid]
+    monkeypatch.setattr(topk, "topk_split_finish_kernel", _Spy())
+    got = topk_per_row(x, ends, 300, block=1024, row_programs=4)
+    assert torch.equal(got, one)
+    assert len(launches) == (0 if rows * 4 <= num_sms(DEVICE) else 1), launches
 
 
 @pytest.mark.parametrize("row_programs", [1, 4])
