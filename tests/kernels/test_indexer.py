@@ -300,13 +300,14 @@ def test_topk_split_rows_equal_one_program(k):
         assert torch.equal(got, one), P
 
 
-@pytest.mark.parametrize("rows", [1, 2, 6])
+@pytest.mark.parametrize("rows,parts", [(1, 4), (2, 4), (6, 4), (6, 32)])
 @pytest.mark.parametrize("limits", [{}, {"_PAIRWISE": 2}, {"_CANDIDATES": 3}])
-def test_topk_split_finish_in_the_write_launch(rows, limits, monkeypatch):
+def test_topk_split_finish_in_the_write_launch(rows, parts, limits, monkeypatch):
     """The last stage runs in the write launch when rows x parts fit one wave (the interpreter's 8
-    SMs: 1 and 2 rows of 4 parts) and in a launch of its own otherwise (6 rows): the same slots
-    as one program, with the bucket ranked pairwise, by radix over the list, and read back from
-    the row."""
+    SMs: 1 and 2 rows of 4 parts; on a GPU all but 6 x 32, which also runs without programmatic
+    dependent launch) and in a launch of its own otherwise: the same slots as one program, with
+    the bucket ranked pairwise, by radix over the list, and read back from the row (parts past
+    the row's 4000 columns get none)."""
     topk = sys.modules["openmla.kernels.indexer.topk"]
     x = _topk_logits(6, 4000, seed=33)
     x[0, 900:3000] = 2.0  # the k-th key's bucket: ties across every part
@@ -324,9 +325,9 @@ def test_topk_split_finish_in_the_write_launch(rows, limits, monkeypatch):
             launches.append(grid)
             return finish[grid]
     monkeypatch.setattr(topk, "topk_split_finish_kernel", _Spy())
-    got = topk_per_row(x, ends, 300, block=1024, row_programs=4)
+    got = topk_per_row(x, ends, 300, block=1024, row_programs=parts)
     assert torch.equal(got, one)
-    assert len(launches) == (0 if rows * 4 <= num_sms(DEVICE) else 1), launches
+    assert len(launches) == (0 if rows * parts <= num_sms(DEVICE) else 1), launches
 
 
 @pytest.mark.parametrize("row_programs", [1, 4])
