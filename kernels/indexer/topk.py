@@ -64,7 +64,7 @@ _FINISH_WARPS = 8
 
 
 @triton.jit
-def _after_previous_kernel(PDL: tl.constexpr):
+def _after_previous_grid(PDL: tl.constexpr):
     """Under programmatic dependent launch: wait for the stream's previous kernel (its stores
     visible, its loads done) before this program touches memory, then let the next kernel launch."""
     if PDL:
@@ -396,7 +396,7 @@ def topk_split_stats_kernel(
     """Stage 1 of a row split over P programs: each part's lower bound and finite key range;
     part 0 zeroes the row's bucket counts (stage 2 adds into them) and its count of parts done
     with stage 3."""
-    _after_previous_kernel(PDL)
+    _after_previous_grid(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
@@ -423,7 +423,7 @@ def topk_split_bucket_kernel(
 ):
     """Stage 2: each part's bucket counts, added into the row's, and stored as suffix sums
     (keys in buckets >= b) for stage 3's offsets."""
-    _after_previous_kernel(PDL)
+    _after_previous_grid(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
@@ -450,7 +450,7 @@ def topk_split_write_kernel(
     (the K-th key's bucket when only part of it is taken) runs in the row's last part to get
     here: each part counts itself done with an acq_rel atomic after its stores, so the one that
     counts P sees every part's candidates."""
-    _after_previous_kernel(PDL)
+    _after_previous_grid(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_p = tl.program_id(1)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
@@ -495,7 +495,7 @@ def topk_split_finish_kernel(
 ):
     """Stage 4 in a launch of its own (grids of more than one wave: see _launch), one program a
     row: the K-th key's bucket when only part of it is taken."""
-    _after_previous_kernel(PDL)
+    _after_previous_grid(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
     if end - start > K:
@@ -563,7 +563,7 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
     # finishes queue behind the wave's tail; waiting programs hold SM slots): docs/notes/indexer.md.
     one_wave = R * P <= num_sms(logits.device)
     arch = arch_of(logits.device)
-    pdl = one_wave and logits.is_cuda and arch.backend == "cuda" and arch.arch >= 90
+    pdl = one_wave and arch.ptx and arch.arch >= 90
     common.update(BLOCK=min(block, _SPLIT_BLOCK), num_warps=4, PDL=pdl,
                   **(dict(launch_pdl=True) if pdl else {}))
     block_p = next_pow2(P)

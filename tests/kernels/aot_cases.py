@@ -268,8 +268,12 @@ def indexer_cases():
     yield "topk_per_row", lambda: topk_per_row(logits, _ints(4, hi=4096), 2048, starts=_ints(4))
     yield "decode_topk", lambda: decode_topk(logits, _ints(2, hi=4096), 2, 2048)
     # rows split over programs: the bound, bucket (atomics), write and last-step kernels
+    # (2 x 4 programs: one wave of the 8 SMs the CPU device reports, so the last step runs in the
+    # write launch, and on sm_90+ under programmatic dependent launch; 2 x 8: its own launch)
     yield "decode_topk-split", lambda: decode_topk(torch.zeros(2, 16384), _ints(2, hi=16384), 1, 2048,
                                                    row_programs=4)
+    yield "decode_topk-split-waves", lambda: decode_topk(torch.zeros(2, 16384), _ints(2, hi=16384), 1,
+                                                         2048, row_programs=8)
 
 # The default set. CORE runs on every target and compiles every kernel of kernels/ and quant/
 # there (the Gluon ones on sm_90 only): the code that differs between GPUs (each e4m3 path:
@@ -293,6 +297,7 @@ CORE = (
     "int8-per-token-head", "int8-per-channel", "merge-bfloat16", "index-workspace",
     "head_matmul-absorb-T1", "head_matmul-project-T64", "absorb_convert-T1", "merge_project-T1",
     "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row", "decode_topk-split",
+    "decode_topk-split-waves",
 )
 EXTRA = (
     "prefill-H32",  # sm_90: the keys-on-M kernel with token flags and their passes (kv_row_faults, token_faults)
