@@ -288,7 +288,8 @@ def _pairwise(p_out, p_cand, CAND, want, c, K, BLOCK_C: tl.constexpr):
         o_j = j0 + tl.arange(0, _RANK_CHUNK)
         m_j = o_j < c
         key_j = tl.load(p_cand + CAND + o_j, mask=m_j, other=0).to(tl.uint32, bitcast=True)
-        above = (key_j[None, :] > key[:, None]) | ((key_j[None, :] == key[:, None]) & (o_j[None, :] < o[:, None]))
+        above = (key_j[None, :] > key[:, None]) | \
+            ((key_j[None, :] == key[:, None]) & (o_j[None, :] < o[:, None]))
         rank += tl.sum((above & m_j[None, :]).to(tl.int32), axis=1)
     tl.store(p_out + K - want + rank, col, mask=m & (rank < want))
 
@@ -584,7 +585,8 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
     if not one_wave:
         topk_split_finish_kernel[(R,)](logits, starts_arg, ends, stats, hist, out, cand,
                                        logits.stride(0), out.stride(0), *row_args, cand_len,
-                                       BLOCK_P=block_p, BLOCK_C=block_c, **dict(common, num_warps=_FINISH_WARPS))
+                                       BLOCK_P=block_p, BLOCK_C=block_c,
+                                       **dict(common, num_warps=_FINISH_WARPS))
     return out
 
 
