@@ -491,12 +491,10 @@ def topk_split_finish_kernel(
     logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, out_ptr, cand_ptr,
     stride_lr, stride_out, stride_end_b, L, K, next_n, P, CAND,
     ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Stage 4 in a launch of its own (grids of more than one wave: see _launch), one program a
     row: the K-th key's bucket when only part of it is taken."""
-    _after_previous_grid(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
     if end - start > K:
@@ -558,15 +556,15 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
         )
         return out
     # A split grid of one wave (rows x parts <= SMs) runs stage 4 in the write launch (one launch
-    # less: 1-1.4 us at batch 1-8 on an H200) and, on sm_90+, every launch under programmatic
-    # dependent launch (its start overlaps the previous kernel's end; each kernel waits for that
-    # kernel before touching memory): 0.9-1.3 us less. Past one wave both are slower (the
-    # finishes queue behind the wave's tail; waiting programs hold SM slots): docs/notes/indexer.md.
+    # less) and, on sm_90+, its three launches under programmatic dependent launch (each start
+    # overlaps the previous kernel's end; each kernel waits for that kernel before touching
+    # memory). Past one wave neither pays: the finishes would queue behind the wave's tail, and
+    # waiting programs would hold SM slots the wave's later programs need (docs/notes/indexer.md).
     one_wave = R * P <= num_sms(logits.device)
     arch = arch_of(logits.device)
     pdl = one_wave and arch.ptx and arch.arch >= 90
-    common.update(BLOCK=min(block, _SPLIT_BLOCK), num_warps=4, PDL=pdl,
-                  **(dict(launch_pdl=True) if pdl else {}))
+    common.update(BLOCK=min(block, _SPLIT_BLOCK), num_warps=4)
+    staged = dict(common, PDL=pdl, **(dict(launch_pdl=True) if pdl else {}))
     block_p = next_pow2(P)
     stats = torch.empty(R, P, 3, dtype=torch.int32, device=logits.device)
     hist = torch.empty(R, _BUCKETS, dtype=torch.int32, device=logits.device)
@@ -574,14 +572,14 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
     suffix = torch.empty(R, P, _BUCKETS, dtype=torch.int32, device=logits.device)
     row_args = (stride_end_b, L, k, next_n, P)
     topk_split_stats_kernel[(R, P)](logits, starts_arg, ends, stats, hist, done, logits.stride(0),
-                                    *row_args, **common)
+                                    *row_args, **staged)
     topk_split_bucket_kernel[(R, P)](logits, starts_arg, ends, stats, hist, suffix, logits.stride(0),
-                                     *row_args, BLOCK_P=block_p, **common)
+                                     *row_args, BLOCK_P=block_p, **staged)
     topk_split_write_kernel[(R, P)](logits, starts_arg, ends, stats, hist, suffix, done, out, cand,
                                     logits.stride(0), out.stride(0), *row_args, cand_len,
                                     BLOCK_K=block_k, BLOCK_P=block_p, BLOCK_C=block_c,
                                     LAST_FINISHES=one_wave,
-                                    **dict(common, num_warps=_FINISH_WARPS if one_wave else 4))
+                                    **dict(staged, num_warps=_FINISH_WARPS if one_wave else 4))
     if not one_wave:
         topk_split_finish_kernel[(R,)](logits, starts_arg, ends, stats, hist, out, cand,
                                        logits.stride(0), out.stride(0), *row_args, cand_len,
