@@ -43,27 +43,19 @@ _FUSED_MAX_ROWS = 16
 # Programs per SM the fused grid aims for (at most what the compiled kernel lets be resident)
 _FUSED_WAVES = 4
 _WARPS = 4
-# Parts a row's top-k aims for (each barrier waits for every part: fewer parts, fewer arrivals)
-_TOPK_PARTS = 32
-
-
-@triton.jit
-def _load_acquire(p):
-    """One int32 loaded with acquire semantics at GPU scope (the loads after it see what the stores
-    released before the value it reads; L1 lines cached earlier are not used)."""
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
-                                     is_pure=False, pack=1)
 
 
 @triton.jit
 def _request_barrier(p_cnt, target):
     """Wait until the request's count reaches `target` (its programs times the barriers so far):
     this program's stores before its arrival (CTA barrier, release add by one thread), every
-    other program's stores before what follows (the acquire load that sees the count)."""
+    other program's stores before what follows (acquire, CTA barrier)."""
     tl.debug_barrier()
     tl.atomic_add(p_cnt, 1, sem="release")
-    while _load_acquire(p_cnt) < target:
-        pass
+    seen = tl.load(p_cnt, volatile=True)
+    while seen < target:
+        seen = tl.load(p_cnt, volatile=True)
+    tl.atomic_add(p_cnt, 0, sem="acquire")
     tl.debug_barrier()
 
 
@@ -91,8 +83,8 @@ def paged_mqa_topk_kernel(
     BLOCK_C: tl.constexpr,
 ):
     """Program (b, s): request b's logits over its tiles s, s + splits, .. (columns past the
-    longest row end unwritten), then part s (of P <= splits; programs s >= P stop after the
-    first barrier) of each of its rows through the top-k stages."""
+    longest row end unwritten), then part s (of P <= splits; programs s >= P only pass the
+    barriers) of each of its rows through the top-k stages."""
     i_b = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1)
     paged_logits_program(
@@ -102,26 +94,28 @@ def paged_mqa_topk_kernel(
         NP, HP, D, BLOCK_N, PER_ROW_CTX, False, FP8_DOT, E4M3, TMA, ACC_STEP)
     p_sync = sync_ptr + i_b * 2
     _request_barrier(p_sync, splits)
-    if i_s < P:  # the other programs are done: only the P parts count at the next barriers
+    if i_s < P:
         for j in range(N):
             i_r = i_b * N + j
             end = _row_end(ctx_ptr, i_b, j, N, stride_ctx_b, stride_ctx_n, max_model_len, PER_ROW_CTX)
             split_stats(logits_ptr + i_r * stride_lr, stats_ptr, hist_ptr, done_ptr, i_r, i_s, P, 0, end, K,
                         NBINS, BLOCK)
-        _request_barrier(p_sync, splits + P)
+    _request_barrier(p_sync, 2 * splits)
+    if i_s < P:
         for j in range(N):
             i_r = i_b * N + j
             end = _row_end(ctx_ptr, i_b, j, N, stride_ctx_b, stride_ctx_n, max_model_len, PER_ROW_CTX)
             split_bucket(logits_ptr + i_r * stride_lr, stats_ptr, hist_ptr, suffix_ptr, i_r, i_s, P, 0, end,
                          K, NBINS, BLOCK, BLOCK_P)
-        _request_barrier(p_sync, splits + 2 * P)
+    _request_barrier(p_sync, 3 * splits)
+    if i_s < P:
         for j in range(N):
             i_r = i_b * N + j
             end = _row_end(ctx_ptr, i_b, j, N, stride_ctx_b, stride_ctx_n, max_model_len, PER_ROW_CTX)
             split_write(logits_ptr + i_r * stride_lr, out_ptr + i_r * stride_out, cand_ptr + i_r * (2 * CAND),
                         stats_ptr, hist_ptr, suffix_ptr, done_ptr, i_r, i_s, P, 0, end, K, CAND, True,
                         NBINS, BLOCK, BLOCK_K, BLOCK_P, BLOCK_C)
-    # Every program has passed its last barrier once it counts here: the last one zeroes the counts.
+    # Every program has passed the last barrier once it counts here: the last one zeroes the counts.
     if tl.atomic_add(p_sync + 1, 1, sem="relaxed") == splits - 1:
         tl.store(p_sync, 0)
         tl.store(p_sync + 1, 0)
@@ -199,8 +193,7 @@ def paged_mqa_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
         check_tensor("workspace", workspace, dtype=torch.int32, contiguous=True)
         if workspace.numel() < 2 * B:
             fail("workspace.numel()", f">= {2 * B}", workspace.numel())
-    # parts of at least 128 columns, at most _TOPK_PARTS of them up to 1024 columns a part
-    block = topk_block if topk_block is not None else min(1024, max(128, next_pow2(cdiv(L, _TOPK_PARTS))))
+    block = topk_block if topk_block is not None else 256
     if block < 128 or block > 1024 or block & (block - 1):
         fail("topk_block", "a power of two in 128..1024", block)
     nbins = _topk._BUCKETS
