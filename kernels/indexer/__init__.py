@@ -4,14 +4,12 @@
     mqa_logits           ragged prefill logits over a contiguous fp8 K (rows see [ks, ke))
     topk_per_row         the k best columns of each logits row (ragged), -1 filled
     decode_topk          the same with decode row ends (context_lens, next_n)
-    paged_mqa_topk       paged_mqa_logits + decode_topk, in one launch for small batches
 
 The cache writer is quant.indexer_cache.write_indexer_k_cache; the oracles are in
 kernels/reference/indexer.py, whose docstring states the semantics.
 """
 from openmla.kernels.indexer.mqa_logits import mqa_logits
 from openmla.kernels.indexer.paged_mqa_logits import paged_mqa_logits
-from openmla.kernels.indexer.paged_topk import paged_mqa_topk
 from openmla.kernels.indexer.topk import decode_topk, topk_per_row
 
-__all__ = ["mqa_logits", "paged_mqa_logits", "paged_mqa_topk", "topk_per_row", "decode_topk"]
+__all__ = ["mqa_logits", "paged_mqa_logits", "topk_per_row", "decode_topk"]

@@ -14,8 +14,6 @@ Semantics: kernels/reference/indexer.py (paged_mqa_logits_ref).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -38,8 +36,8 @@ _ACC_STEP = None
 
 
 @triton.jit
-def paged_logits_program(
-    i_b, i_s, q_ptr, w_ptr, cache_ptr, scale_ptr, k_desc, s_desc, ctx_ptr, bt_ptr, out_ptr,
+def paged_mqa_logits_kernel(
+    q_ptr, w_ptr, cache_ptr, scale_ptr, k_desc, s_desc, ctx_ptr, bt_ptr, out_ptr,
     stride_qb, stride_qn, stride_qh, stride_wr, stride_cb, stride_ctx_b, stride_ctx_n,
     stride_bt, stride_or,
     N, H, block_size, num_blocks, table_width, max_model_len, splits,
@@ -47,8 +45,8 @@ def paged_logits_program(
     PER_ROW_CTX: tl.constexpr, CLEAN: tl.constexpr, FP8_DOT: tl.constexpr, E4M3: tl.constexpr,
     TMA: tl.constexpr, ACC_STEP: tl.constexpr,
 ):
-    """Program i_s of request i_b (int64): the logits of the request's N query rows over its key
-    tiles i_s, i_s + splits, ..."""
+    i_b = tl.program_id(0).to(tl.int64)
+    i_s = tl.program_id(1)
     o_j = tl.arange(0, NP)
     m_j = o_j < N
     # Row j of the request sees positions [0, end_j): the last token and its speculative successors.
@@ -58,6 +56,7 @@ def paged_logits_program(
         b_end = tl.load(ctx_ptr + i_b * stride_ctx_b) - N + 1 + o_j
     b_end = tl.minimum(tl.maximum(tl.where(m_j, b_end, 0), 0), max_model_len)
     end_max = tl.max(b_end)
+
     b_q, b_w = load_query_block(q_ptr + i_b * stride_qb, w_ptr + i_b * N * stride_wr,
                                 o_j.to(tl.int64), m_j, stride_qn, stride_qh, stride_wr, H,
                                 NP, HP, D, FP8_DOT, E4M3)
@@ -99,23 +98,6 @@ def paged_logits_program(
         for i_n in range(n_work + i_s, tl.cdiv(max_model_len, BLOCK_N), splits):
             o_p = i_n * BLOCK_N + o_n
             tl.store(p_out + o_p[None, :], b_inf, mask=m_j[:, None] & (o_p[None, :] < max_model_len))
-
-
-@triton.jit
-def paged_mqa_logits_kernel(
-    q_ptr, w_ptr, cache_ptr, scale_ptr, k_desc, s_desc, ctx_ptr, bt_ptr, out_ptr,
-    stride_qb, stride_qn, stride_qh, stride_wr, stride_cb, stride_ctx_b, stride_ctx_n,
-    stride_bt, stride_or,
-    N, H, block_size, num_blocks, table_width, max_model_len, splits,
-    NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PER_ROW_CTX: tl.constexpr, CLEAN: tl.constexpr, FP8_DOT: tl.constexpr, E4M3: tl.constexpr,
-    TMA: tl.constexpr, ACC_STEP: tl.constexpr,
-):
-    paged_logits_program(
-        tl.program_id(0).to(tl.int64), tl.program_id(1), q_ptr, w_ptr, cache_ptr, scale_ptr, k_desc, s_desc,
-        ctx_ptr, bt_ptr, out_ptr, stride_qb, stride_qn, stride_qh, stride_wr, stride_cb, stride_ctx_b,
-        stride_ctx_n, stride_bt, stride_or, N, H, block_size, num_blocks, table_width, max_model_len, splits,
-        NP, HP, D, BLOCK_N, PER_ROW_CTX, CLEAN, FP8_DOT, E4M3, TMA, ACC_STEP)
 
 
 def _splits(device, batch: int, tiles: int, waves: int) -> int:
@@ -184,29 +166,6 @@ def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
 
     Returns logits [B * next_n, max_model_len] fp32 (see kernels/reference/indexer.py).
     """
-    launch = prepare_launch(q, weights, cache, context_lens, block_table, max_model_len, fmt, out, block_n)
-    if launch.splits:
-        paged_mqa_logits_kernel[(launch.batch, launch.splits)](
-            *launch.args, CLEAN=clean_logits, **launch.meta, num_warps=4, num_stages=launch.stages)
-    return launch.out
-
-
-class Launch(NamedTuple):
-    """A validated paged-logits call: the kernel's runtime arguments (paged_logits_program's, from
-    q_ptr on), its constexprs but CLEAN, the grid (batch, splits), its pipeline depth, and the
-    logits tensor. splits == 0: nothing to compute."""
-    args: tuple
-    meta: dict
-    batch: int
-    splits: int
-    stages: int
-    out: torch.Tensor
-
-
-def prepare_launch(q, weights, cache, context_lens, block_table, max_model_len, fmt, out, block_n,
-                   waves=None):
-    """paged_mqa_logits' checks and launch configuration (shared with the fused top-k,
-    kernels/indexer/paged_topk.py). `waves` overrides the configured programs per SM."""
     fmt = indexer_k_format_of(fmt)
     check_tensor("q", q, dtype=(torch.float8_e4m3fn, torch.uint8), ndim=4, last_dim_contiguous=True)
     B, N, H, D = q.shape
@@ -237,16 +196,15 @@ def prepare_launch(q, weights, cache, context_lens, block_table, max_model_len, 
     check_same_device(q=q, weights=weights, cache=cache, context_lens=context_lens,
                       block_table=block_table, out=out)
     if B == 0 or max_model_len == 0:
-        return Launch((), {}, B, 0, 0, out)
+        return out
     arch = arch_of(q.device)
     fp8 = fp8_dot(arch)
     tma = _tma_ok(arch, fp8, cache)
     if tma:
-        block_n, (stages, tma_waves) = cache.shape[1], _tma_config(B, N)
-        waves = tma_waves if waves is None else waves
+        block_n, (stages, waves) = cache.shape[1], _tma_config(B, N)
         k_desc, s_desc = _page_descriptors(cache, D)
     else:
-        waves, stages = (2 if waves is None else waves), 2
+        waves, stages = 2, 2
         k_desc = s_desc = None
     tiles = cdiv(max_model_len, block_n)
     splits = _splits(q.device, B, tiles, waves)
@@ -254,11 +212,14 @@ def prepare_launch(q, weights, cache, context_lens, block_table, max_model_len, 
     ctx_n = context_lens.stride(1) if per_row else 0
     HP = next_pow2(H)
     NP = max(next_pow2(N), 16 // min(HP, 16))  # a dot needs >= 16 rows
-    args = (operand_view(q, fp8), weights, operand_view(cache, fp8), cache.view(torch.float32),
-            k_desc, s_desc, context_lens, block_table, out,
-            q.stride(0), q.stride(1), q.stride(2), weights.stride(0), cache.stride(0), ctx_b, ctx_n,
-            block_table.stride(0), out.stride(0),
-            N, H, cache.shape[1], cache.shape[0], block_table.shape[1], max_model_len, splits)
-    meta = dict(NP=NP, HP=HP, D=D, BLOCK_N=block_n, PER_ROW_CTX=per_row, FP8_DOT=fp8, E4M3=arch.e4m3,
-                TMA=tma, ACC_STEP=_ACC_STEP)
-    return Launch(args, meta, B, splits, stages, out)
+    paged_mqa_logits_kernel[(B, splits)](
+        operand_view(q, fp8), weights, operand_view(cache, fp8), cache.view(torch.float32),
+        k_desc, s_desc, context_lens, block_table, out,
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), cache.stride(0), ctx_b, ctx_n,
+        block_table.stride(0), out.stride(0),
+        N, H, cache.shape[1], cache.shape[0], block_table.shape[1], max_model_len, splits,
+        NP=NP, HP=HP, D=D, BLOCK_N=block_n, PER_ROW_CTX=per_row, CLEAN=clean_logits,
+        FP8_DOT=fp8, E4M3=arch.e4m3, TMA=tma, ACC_STEP=_ACC_STEP, num_warps=4,
+        num_stages=stages,
+    )
+    return out

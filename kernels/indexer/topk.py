@@ -388,14 +388,23 @@ def _row_range(stats_ptr, i_r, P, BLOCK_P: tl.constexpr, NBINS: tl.constexpr):
 
 
 @triton.jit
-def split_stats(p_row, stats_ptr, hist_ptr, done_ptr, i_r, i_p, P, start, end, K,
-                NBINS: tl.constexpr, BLOCK: tl.constexpr):
-    """Stage 1 of a row split over P programs, part i_p: its lower bound and finite key range;
+def topk_split_stats_kernel(
+    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, done_ptr,
+    stride_lr, stride_end_b, L, K, next_n, P,
+    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Stage 1 of a row split over P programs: each part's lower bound and finite key range;
     part 0 zeroes the row's bucket counts (stage 2 adds into them) and its count of parts done
     with stage 3."""
+    _after_previous_grid(PDL)
+    i_r = tl.program_id(0).to(tl.int64)
+    i_p = tl.program_id(1)
+    start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
     if end - start > K:
         lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
-        t, k_max, k_min = _part_stats(p_row, lo_c, hi_c, _group_log(end - start, K, BLOCK), BLOCK)
+        lg = _group_log(end - start, K, BLOCK)
+        t, k_max, k_min = _part_stats(logits_ptr + i_r * stride_lr, lo_c, hi_c, lg, BLOCK)
         p = stats_ptr + (i_r * P + i_p) * 3
         tl.store(p, t.to(tl.int32, bitcast=True))
         tl.store(p + 1, k_max.to(tl.int32, bitcast=True))
@@ -406,34 +415,6 @@ def split_stats(p_row, stats_ptr, hist_ptr, done_ptr, i_r, i_p, P, start, end, K
 
 
 @triton.jit
-def topk_split_stats_kernel(
-    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, done_ptr,
-    stride_lr, stride_end_b, L, K, next_n, P,
-    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    _after_previous_grid(PDL)
-    i_r = tl.program_id(0).to(tl.int64)
-    start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
-    split_stats(logits_ptr + i_r * stride_lr, stats_ptr, hist_ptr, done_ptr, i_r, tl.program_id(1), P,
-                start, end, K, NBINS, BLOCK)
-
-
-@triton.jit
-def split_bucket(p_row, stats_ptr, hist_ptr, suffix_ptr, i_r, i_p, P, start, end, K,
-                 NBINS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Stage 2, part i_p: its bucket counts, added into the row's, and stored as suffix sums (keys
-    in buckets >= b) for stage 3's offsets."""
-    if end - start > K:
-        t, k_max, lo, scale = _row_range(stats_ptr, i_r, P, BLOCK_P, NBINS)
-        lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
-        hist = _row_buckets(p_row, lo_c, hi_c, t, k_max, lo, scale, NBINS, BLOCK)
-        o_bin = tl.arange(0, NBINS)
-        tl.atomic_add(hist_ptr + i_r * NBINS + o_bin, hist, mask=hist != 0, sem="relaxed")
-        tl.store(suffix_ptr + (i_r * P + i_p) * NBINS + o_bin, tl.cumsum(hist, axis=0, reverse=True))
-
-
-@triton.jit
 def topk_split_bucket_kernel(
     logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, suffix_ptr,
     stride_lr, stride_end_b, L, K, next_n, P,
@@ -441,23 +422,40 @@ def topk_split_bucket_kernel(
     PDL: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
+    """Stage 2: each part's bucket counts, added into the row's, and stored as suffix sums
+    (keys in buckets >= b) for stage 3's offsets."""
     _after_previous_grid(PDL)
     i_r = tl.program_id(0).to(tl.int64)
+    i_p = tl.program_id(1)
     start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
-    split_bucket(logits_ptr + i_r * stride_lr, stats_ptr, hist_ptr, suffix_ptr, i_r, tl.program_id(1), P,
-                 start, end, K, NBINS, BLOCK, BLOCK_P)
+    if end - start > K:
+        t, k_max, lo, scale = _row_range(stats_ptr, i_r, P, BLOCK_P, NBINS)
+        lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
+        hist = _row_buckets(logits_ptr + i_r * stride_lr, lo_c, hi_c, t, k_max, lo, scale, NBINS, BLOCK)
+        o_bin = tl.arange(0, NBINS)
+        tl.atomic_add(hist_ptr + i_r * NBINS + o_bin, hist, mask=hist != 0, sem="relaxed")
+        tl.store(suffix_ptr + (i_r * P + i_p) * NBINS + o_bin, tl.cumsum(hist, axis=0, reverse=True))
 
 
 @triton.jit
-def split_write(p_row, p_out, p_cand, stats_ptr, hist_ptr, suffix_ptr, done_ptr, i_r, i_p, P, start, end,
-                K, CAND, LAST_FINISHES: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Stage 3, part i_p: its keys above the K-th key's bucket, and that bucket's keys (to the
-    output when all are taken, else to the candidate list), from the offsets the parts before it
-    give, so the row reads as one program would write it (a row of at most K columns: part 0
-    lists it). With LAST_FINISHES, stage 4 (the K-th key's bucket when only part of it is taken)
-    runs in the row's last part to get here: each part counts itself done with an acq_rel
-    atomic after its stores, so the one that counts P sees every part's candidates."""
+def topk_split_write_kernel(
+    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, suffix_ptr, done_ptr, out_ptr, cand_ptr,
+    stride_lr, stride_out, stride_end_b, L, K, next_n, P, CAND,
+    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, LAST_FINISHES: tl.constexpr,
+):
+    """Stage 3: each part writes its keys above the K-th key's bucket, and that bucket's keys (to
+    the output when all are taken, else to the candidate list), from the offsets the parts
+    before it give, so the row reads as one program would write it. With LAST_FINISHES, stage 4
+    (the K-th key's bucket when only part of it is taken) runs in the row's last part to get
+    here: each part counts itself done with an acq_rel atomic after its stores, so the one that
+    counts P sees every part's candidates."""
+    _after_previous_grid(PDL)
+    i_r = tl.program_id(0).to(tl.int64)
+    i_p = tl.program_id(1)
+    start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
+    p_out = out_ptr + i_r * stride_out
     if end - start <= K:
         if i_p == 0:
             _write_all(p_out, end - start, K, BLOCK_K)
@@ -470,6 +468,8 @@ def split_write(p_row, p_out, p_cand, stats_ptr, hist_ptr, suffix_ptr, done_ptr,
         ge_d = tl.sum(tl.load(p_suf + d, mask=m_q, other=0), axis=0)
         n_gt = tl.sum(tl.load(p_suf + d + 1, mask=m_q & (d + 1 < NBINS), other=0), axis=0)
         lo_c, hi_c = _part(start, end, i_p, P, BLOCK)
+        p_row = logits_ptr + i_r * stride_lr
+        p_cand = cand_ptr + i_r * (2 * CAND)
         if c == want:
             _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, scale, d, want, K,
                           n_gt, ge_d - n_gt, 1, NBINS, BLOCK)
@@ -484,22 +484,6 @@ def split_write(p_row, p_out, p_cand, stats_ptr, hist_ptr, suffix_ptr, done_ptr,
             if tl.atomic_add(done_ptr + i_r, 1, sem="acq_rel") == P - 1:
                 _finish(p_row, p_out, p_cand, start, end, t, k_max, lo, scale, d, want, c, K, CAND,
                         NBINS, BLOCK, BLOCK_C)
-
-
-@triton.jit
-def topk_split_write_kernel(
-    logits_ptr, starts_ptr, ends_ptr, stats_ptr, hist_ptr, suffix_ptr, done_ptr, out_ptr, cand_ptr,
-    stride_lr, stride_out, stride_end_b, L, K, next_n, P, CAND,
-    ROW_ENDS: tl.constexpr, HAS_STARTS: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, LAST_FINISHES: tl.constexpr,
-):
-    _after_previous_grid(PDL)
-    i_r = tl.program_id(0).to(tl.int64)
-    start, end = _row_bounds(i_r, starts_ptr, ends_ptr, stride_end_b, L, next_n, ROW_ENDS, HAS_STARTS)
-    split_write(logits_ptr + i_r * stride_lr, out_ptr + i_r * stride_out, cand_ptr + i_r * (2 * CAND),
-                stats_ptr, hist_ptr, suffix_ptr, done_ptr, i_r, tl.program_id(1), P, start, end, K, CAND,
-                LAST_FINISHES, NBINS, BLOCK, BLOCK_K, BLOCK_P, BLOCK_C)
 
 
 @triton.jit

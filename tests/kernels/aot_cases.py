@@ -17,7 +17,7 @@ import torch
 from openmla.kernels.head_matmul import bind_absorb_convert, head_matmul
 from openmla.kernels.merge_project import merge_project
 from openmla.kernels.index import convert_req_index_to_global
-from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, paged_mqa_topk, topk_per_row
+from openmla.kernels.indexer import decode_topk, mqa_logits, paged_mqa_logits, topk_per_row
 from openmla.kernels.merge import merge_attn_states
 from openmla.kernels.paged_attention import paged_attention, varlen_attention
 from openmla.kernels.sparse_mla_decode import sparse_mla_decode
@@ -274,10 +274,6 @@ def indexer_cases():
                                                    row_programs=4)
     yield "decode_topk-split-waves", lambda: decode_topk(torch.zeros(2, 16384), _ints(2, hi=16384), 1,
                                                          2048, row_programs=8)
-    # the logits and the split top-k in one cooperative launch (NVIDIA; elsewhere the two kernels)
-    q, w = torch.zeros(2, 1, 64, 128, dtype=FP8), torch.zeros(2, 64)
-    yield "paged_mqa_topk", lambda: paged_mqa_topk(q, w, cache, _ints(2, hi=4096), _ints(2, 4),
-                                                   max_model_len=4096, k=2048)
 
 # The default set. CORE runs on every target and compiles every kernel of kernels/ and quant/
 # there (the Gluon ones on sm_90 only): the code that differs between GPUs (each e4m3 path:
@@ -301,7 +297,7 @@ CORE = (
     "int8-per-token-head", "int8-per-channel", "merge-bfloat16", "index-workspace",
     "head_matmul-absorb-T1", "head_matmul-project-T64", "absorb_convert-T1", "merge_project-T1",
     "write_indexer_k_cache", "paged_mqa_logits-n1", "mqa_logits", "topk_per_row", "decode_topk-split",
-    "decode_topk-split-waves", "paged_mqa_topk",
+    "decode_topk-split-waves",
 )
 EXTRA = (
     "prefill-H32",  # sm_90: the keys-on-M kernel with token flags and their passes (kv_row_faults, token_faults)
