@@ -43,7 +43,7 @@ def paged_mqa_logits_kernel(
     N, H, block_size, num_blocks, table_width, max_model_len, splits,
     NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_ROW_CTX: tl.constexpr, CLEAN: tl.constexpr, FP8_DOT: tl.constexpr, E4M3: tl.constexpr,
-    TMA: tl.constexpr, ACC_STEP: tl.constexpr,
+    TMA: tl.constexpr, ACC_STEP: tl.constexpr, SCALE_TMA: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1)
@@ -72,8 +72,15 @@ def paged_mqa_logits_kernel(
             ok = (page >= 0) & (page < num_blocks)
             # An invalid page holds no key: its coordinate is past the cache (TMA fills zeros).
             i_page = tl.where(ok, page, num_blocks)
+            if SCALE_TMA:
+                b_sc = tl.reshape(s_desc.load([i_page, 0]), (BLOCK_N,))
+            else:
+                # By pointer, issued before the key tile's wait: a TMA load whose tile feeds no dot is
+                # not pipelined (it gets its own barrier, waited inside the iteration). Requests of
+                # several query rows keep the TMA load (faster there: docs/notes/indexer.md).
+                p_sc = scale_ptr + tl.where(ok, page, 0).to(tl.int64) * (stride_cb // 4) + block_size * (D // 4)
+                b_sc = tl.load(p_sc + o_n, mask=ok & (o_n < BLOCK_N), other=0.0)
             b_k = tl.reshape(k_desc.load([i_page, 0, 0]), (BLOCK_N, D))
-            b_sc = tl.reshape(s_desc.load([i_page, 0]), (BLOCK_N,))
             m_k = (o_p < end_max) & ok
         else:
             i_pg = o_p // block_size
@@ -219,7 +226,7 @@ def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
         block_table.stride(0), out.stride(0),
         N, H, cache.shape[1], cache.shape[0], block_table.shape[1], max_model_len, splits,
         NP=NP, HP=HP, D=D, BLOCK_N=block_n, PER_ROW_CTX=per_row, CLEAN=clean_logits,
-        FP8_DOT=fp8, E4M3=arch.e4m3, TMA=tma, ACC_STEP=_ACC_STEP, num_warps=4,
+        FP8_DOT=fp8, E4M3=arch.e4m3, TMA=tma, ACC_STEP=_ACC_STEP, SCALE_TMA=N > 1, num_warps=4,
         num_stages=stages,
     )
     return out
