@@ -6,10 +6,10 @@ walks its key tiles with a stride of `splits`, so a small batch still fills the 
 program reads each cache byte it needs once. The row ends are read on the device (no host sync,
 CUDA-graph capturable); the grid depends on the batch size and max_model_len only.
 
-On sm_90+ a tile is one page, fetched by TMA (two tensor descriptors over the cache: the page's
-block_size x 128 key bytes and its block_size fp32 scales), when the page size and the cache's
-alignment allow it (`_tma_ok`); elsewhere a tile of block_n keys is gathered with pointer loads
-(the two compared: docs/notes/indexer.md).
+On sm_90+ a tile is one page, its block_size x 128 key bytes fetched by TMA and its block_size
+fp32 scales by pointer (by TMA too, a second descriptor, for requests of several query rows), when
+the page size and the cache's alignment allow it (`_tma_ok`); elsewhere a tile of block_n keys is
+gathered with pointer loads (the choices measured: docs/notes/indexer.md).
 Semantics: kernels/reference/indexer.py (paged_mqa_logits_ref).
 """
 from __future__ import annotations
