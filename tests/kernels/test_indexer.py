@@ -165,9 +165,10 @@ def test_logits_gpu_paths(arch):
 
 @pytest.mark.parametrize("ctx,next_n,H,bs,per_row", [p for p in PAGED if p.values[3] >= 16])
 def test_paged_logits_tma_pages(ctx, next_n, H, bs, per_row):
-    """sm_90's TMA path (a tile is a page, fetched by two tensor descriptors) in the
-    interpreter, on the PAGED cases whose page can be a TMA box, incl. invalid pages, a key fault
-    and a block stride that is not a multiple of 16 (the pointer path then)."""
+    """sm_90's TMA path (a tile is a page: its keys by a tensor descriptor, its scales by pointer
+    for one-row requests and by a second descriptor for several) in the interpreter, on the PAGED
+    cases whose page can be a TMA box, incl. invalid pages, a key fault and a block stride that is
+    not a multiple of 16 (the pointer path then)."""
     from openmla.kernels.device import ARCHES, assume
     from openmla.kernels.indexer.paged_mqa_logits import _tma_ok
     bad = [(0, 1, -1), (len(ctx) - 1, 0, INT32_MAX)]
