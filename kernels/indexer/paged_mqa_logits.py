@@ -79,7 +79,7 @@ def paged_mqa_logits_kernel(
                 # not pipelined (it gets its own barrier, waited inside the iteration). Requests of
                 # several query rows keep the TMA load (faster there: docs/notes/indexer.md).
                 p_sc = scale_ptr + tl.where(ok, page, 0).to(tl.int64) * (stride_cb // 4) + block_size * (D // 4)
-                b_sc = tl.load(p_sc + o_n, mask=ok & (o_n < BLOCK_N), other=0.0)
+                b_sc = tl.load(p_sc + o_n, mask=ok, other=0.0)
             b_k = tl.reshape(k_desc.load([i_page, 0, 0]), (BLOCK_N, D))
             m_k = (o_p < end_max) & ok
         else:
