@@ -519,12 +519,16 @@ def _check_k(k) -> int:
     return k
 
 
-def _row_programs(device, R: int, L: int) -> int:
-    """Programs per row: one when the rows fill the GPU or are short (below _SPLIT_MIN_COLUMNS
-    the launches' latency outweighs the split), else enough parts of whole blocks to fill it."""
+def _row_programs(device, R: int, L: int, k: int) -> int:
+    """Programs per row. Rows of at least _SPLIT_MIN_COLUMNS: enough parts of whole blocks to fill
+    the GPU (one when the rows fill it). Shorter rows: a part a block when that grid is one wave
+    (its launches then overlap under programmatic dependent launch and the write launch finishes
+    the rows), else one program; parts of several blocks, or a second wave, were slower than one
+    program there (docs/notes/indexer.md). Rows no longer than k take one program (no selection)."""
+    blocks = cdiv(L, _SPLIT_BLOCK)
     if L < _SPLIT_MIN_COLUMNS:
-        return 1
-    return max(1, min(cdiv(L, _SPLIT_BLOCK), cdiv(_PROGRAMS_PER_SM * num_sms(device), R)))
+        return blocks if L > k and R * blocks <= num_sms(device) else 1
+    return max(1, min(blocks, cdiv(_PROGRAMS_PER_SM * num_sms(device), R)))
 
 
 def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block, row_programs):
@@ -543,7 +547,7 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
         logits = logits.contiguous()
     starts_arg = starts if starts is not None else ends
     block_k = min(1024, next_pow2(k))
-    P = row_programs if row_programs is not None else _row_programs(logits.device, R, L)
+    P = row_programs if row_programs is not None else _row_programs(logits.device, R, L, k)
     cand_len = max(1, min(L, _CANDIDATES))
     cand = torch.empty(R, 2, cand_len, dtype=torch.int32, device=logits.device)
     common = dict(ROW_ENDS=row_ends, HAS_STARTS=starts is not None, NBINS=_BUCKETS)

@@ -284,6 +284,23 @@ def test_topk_per_row(k, row_programs):
     _check_topk(got, x, ends, k, starts)
 
 
+def test_topk_row_programs_rule():
+    """The default parts a row (host rule): rows below _SPLIT_MIN_COLUMNS split into one-block parts
+    only when that grid is one wave and the rows are longer than k; longer rows fill the GPU."""
+    from openmla.kernels.indexer.topk import (_PROGRAMS_PER_SM, _SPLIT_BLOCK, _SPLIT_MIN_COLUMNS,
+                                              _row_programs)
+    sms, short = num_sms(DEVICE), _SPLIT_MIN_COLUMNS // 2
+    blocks = short // _SPLIT_BLOCK
+    assert _row_programs(DEVICE, 1, short, 2048) == blocks
+    assert _row_programs(DEVICE, sms // blocks, short, 2048) == blocks
+    assert _row_programs(DEVICE, sms // blocks + 1, short, 2048) == 1  # a second wave
+    assert _row_programs(DEVICE, 1, short, short) == 1  # no selection: every column is taken
+    assert _row_programs(DEVICE, 1, _SPLIT_BLOCK + 1, 2) == 2
+    long = _SPLIT_MIN_COLUMNS * 8
+    assert _row_programs(DEVICE, 1, long, 2048) == min(long // _SPLIT_BLOCK, _PROGRAMS_PER_SM * sms)
+    assert _row_programs(DEVICE, 10 ** 6, long, 2048) == 1
+
+
 @pytest.mark.parametrize("k", [5, 300])
 def test_topk_split_rows_equal_one_program(k):
     """A row split over P programs gives exactly the one-program result (same columns in the
