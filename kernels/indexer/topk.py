@@ -605,8 +605,9 @@ def topk_per_row(logits: torch.Tensor, ends: torch.Tensor, k: int, *, starts: to
         out: optional [R, k] int32 with a contiguous last dim (a slice of vLLM's
             topk_indices_buffer is fine).
         block: columns per pass step (a power of two; at most 1024 when rows are split).
-        row_programs: programs per row (None: one when the rows fill the GPU, else enough to
-            fill it; see the module docstring). The result does not depend on it.
+        row_programs: programs per row (None: `_row_programs`' rule: one when the rows fill the
+            GPU, else parts of whole blocks that fill it; rows below _SPLIT_MIN_COLUMNS split only
+            into one-block parts of a one-wave grid). The result does not depend on it.
 
     Returns [R, k] int32: rows with end - start <= k list 0 .. n-1 then -1; longer rows hold the
     columns (minus start) of their k largest logits, NaN ranking above +inf, ties in column order.
