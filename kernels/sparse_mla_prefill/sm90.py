@@ -20,8 +20,11 @@ value work. P of a block goes into its stage's rope buffer (the score wgmma has 
 is refilled only after both consumers released it): [64 heads, 64 keys] bf16 is the size of
 [64 keys, 64] rope; 512-wide rows (DeepSeek-V4, no rope) get P buffers of their own. The shift of
 the exponent follows a head's running max lazily (as in sm90_kn.py: only when the max rose by more
-than 2^TAU), the exact max kept for max_logits. The output streams past L2 (evict-first), so that
-it does not push the gathered rows out.
+than 2^TAU), the exact max kept for max_logits. The output goes through q's buffer (free once the
+last score chain has read it) and leaves by TMA stores (~2 us a program faster than stores from
+registers: docs/notes/sparse_mla_prefill.md); where a head block is not 64 whole rows of the output
+(H not a multiple of 64, a strided out) the rows are stored from registers, past L2 (evict-first),
+so that they do not push the gathered rows out.
 Shared memory: q 72 KB + two 72 KB stages: one program per SM.
 
 Also here: the row copy of the bf16-cache decode kernel (`copy_rows_at`) and the launcher of both
@@ -44,7 +47,8 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
     _finish_rows = gluon.jit(finish_rows.fn)
     _keep_faults = gluon.jit(keep_faults.fn)
@@ -139,6 +143,20 @@ if _GLUON:
                  eviction_policy="evict_first")
 
     @gluon.jit
+    def _store_cols_tma(o, s_o, C0: gl.constexpr, o_desc, i_t, i_hb, H, BLOCK_H: gl.constexpr):
+        # output columns C0 .. C0 + o.shape[1] (already times 1 / sum) through the same columns of
+        # s_o [BLOCK_H, 512] (q's buffer), then TMA stores of [BLOCK_H, 64] tiles (the buffer's
+        # 128-byte swizzle keeps each 64-column block as one 8 KB tile); waited for before the
+        # program ends, so the buffer outlives the copies
+        s_o.slice(C0, o.shape[1], dim=1).store(o.to(gl.bfloat16))
+        hopper.fence_async_shared()
+        gl.thread_barrier()
+        row0 = (i_t * H + i_hb * BLOCK_H).to(gl.int32)
+        for c in gl.static_range(C0 // 64, (C0 + o.shape[1]) // 64):
+            tma.async_copy_shared_to_global(o_desc, [row0, c * 64], s_o.slice(c * 64, 64, dim=1))
+        tma.store_wait(0)
+
+    @gluon.jit
     def _load_q(q_ptr, i_t, i_hb, H, stride_qt, stride_qh, s_ql, s_qr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
                 BLOCK_H: gl.constexpr):
         # this program's q [BLOCK_H, D_LAT + D_ROPE] into shared memory by cp.async: every copy in
@@ -161,7 +179,8 @@ if _GLUON:
     def _scores(q_ptr, stride_qt, stride_qh, s_ql, s_qr, s_kl, s_kr, s_p, s_f, s_inv, full, empty, pfull, done,
                 p_idx, n_use, n_blk, N, scale, scale_log2, sink_ptr, out_ptr, ml_ptr, lse_ptr, i_t, i_hb, H,
                 stride_ot, stride_oh, HAS_SINK: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
-                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DS: gl.constexpr, TAU: gl.constexpr):
+                BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DS: gl.constexpr, TAU: gl.constexpr,
+                o_desc, TMA_OUT: gl.constexpr):
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -225,13 +244,18 @@ if _GLUON:
         inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_hs, m_hs, HAS_SINK)
         s_inv.store(inv)
         mbarrier.arrive(done)
-        _store_cols(acc, gl.convert_layout(inv, ROW_O), 0, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+        if TMA_OUT:  # q's buffer is free: its last reader, this warpgroup's last score chain, is done
+            _store_cols_tma(acc * gl.convert_layout(inv, ROW_O)[:, None], s_ql, 0, o_desc, i_t, i_hb, H, BLOCK_H)
+        else:
+            _store_cols(acc, gl.convert_layout(inv, ROW_O), 0, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H,
+                        O_L)
         gl.store(ml_ptr + i_t * H + o_hs, _max_logits(m_x, lse, scale), mask=m_hs)
         gl.store(lse_ptr + i_t * H + o_hs, lse, mask=m_hs)
 
     @gluon.jit
     def _values(s_kl, s_p, s_f, s_inv, empty, pfull, done, n_blk, out_ptr, i_t, i_hb, H, stride_ot, stride_oh,
-                D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DS: gl.constexpr):
+                D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DS: gl.constexpr,
+                s_ql, o_desc, TMA_OUT: gl.constexpr):
         # output columns DS .. D_LAT in three chunks of DS (a shared-memory slice starts at a
         # multiple of its width, so no single wgmma takes 256 columns from DS = 128)
         gl.static_assert(D_LAT == 4 * DS)
@@ -248,16 +272,29 @@ if _GLUON:
             f = s_f.index(buf).load(ROW_O)[:, None]
             p = s_p.index(buf)._reinterpret(gl.bfloat16, [BLOCK_H, BLOCK_N], SHP)
             s_v = s_kl.index(buf)
-            t_a = hopper.warpgroup_mma(p, s_v.slice(DS, DS, dim=1), acc_a * f, is_async=True)
-            t_b = hopper.warpgroup_mma(p, s_v.slice(2 * DS, DS, dim=1), acc_b * f, is_async=True)
-            t_c = hopper.warpgroup_mma(p, s_v.slice(3 * DS, DS, dim=1), acc_c * f, is_async=True)
+            # every accumulator rescaled before the first wgmma is issued: a rescale between the
+            # issues makes ptxas wait for the wgmma in flight (its warning C7517)
+            acc_a = acc_a * f
+            acc_b = acc_b * f
+            acc_c = acc_c * f
+            t_a = hopper.warpgroup_mma(p, s_v.slice(DS, DS, dim=1), acc_a, is_async=True)
+            t_b = hopper.warpgroup_mma(p, s_v.slice(2 * DS, DS, dim=1), acc_b, is_async=True)
+            t_c = hopper.warpgroup_mma(p, s_v.slice(3 * DS, DS, dim=1), acc_c, is_async=True)
             acc_a, acc_b, acc_c = hopper.warpgroup_mma_wait(0, deps=[t_a, t_b, t_c])
             mbarrier.arrive(empty.index(buf))
         mbarrier.wait(done, 0)
         inv = s_inv.load(ROW_O)
-        _store_cols(acc_a, inv, DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
-        _store_cols(acc_b, inv, 2 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
-        _store_cols(acc_c, inv, 3 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+        if TMA_OUT:  # into q's buffer (the score warpgroup read q last before it arrived on done)
+            _store_cols_tma(acc_a * inv[:, None], s_ql, DS, o_desc, i_t, i_hb, H, BLOCK_H)
+            _store_cols_tma(acc_b * inv[:, None], s_ql, 2 * DS, o_desc, i_t, i_hb, H, BLOCK_H)
+            _store_cols_tma(acc_c * inv[:, None], s_ql, 3 * DS, o_desc, i_t, i_hb, H, BLOCK_H)
+        else:
+            _store_cols(acc_a, inv, DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+            _store_cols(acc_b, inv, 2 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+            _store_cols(acc_c, inv, 3 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+
+    # the output tiles' shared layout: q's buffer's (bf16, 128-byte swizzle)
+    _OUT_TILE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     @gluon.jit
     def sparse_mla_prefill_sm90_kernel(
@@ -268,6 +305,7 @@ if _GLUON:
         HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, OFF32: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         DS: gl.constexpr, TAU: gl.constexpr, V_REGS: gl.constexpr, P_REGS: gl.constexpr,
+        o_desc, TMA_OUT: gl.constexpr,
     ):
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         SHP: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
@@ -308,9 +346,10 @@ if _GLUON:
         gl.warp_specialize(
             [(_scores, (q_ptr, stride_qt, stride_qh, s_ql, s_qr, s_kl, s_kr, s_p, s_f, s_inv, full, empty, pfull,
                         done, p_idx, n_use, n_blk, N, scale, scale_log2, sink_ptr, out_ptr, ml_ptr, lse_ptr, i_t,
-                        i_hb, H, stride_ot, stride_oh, HAS_SINK, D_LAT, D_ROPE, BLOCK_H, BLOCK_N, DS, TAU)),
+                        i_hb, H, stride_ot, stride_oh, HAS_SINK, D_LAT, D_ROPE, BLOCK_H, BLOCK_N, DS, TAU, o_desc,
+                        TMA_OUT)),
              (_values, (s_kl, s_p, s_f, s_inv, empty, pfull, done, n_blk, out_ptr, i_t, i_hb, H, stride_ot,
-                        stride_oh, D_LAT, BLOCK_H, BLOCK_N, DS)),
+                        stride_oh, D_LAT, BLOCK_H, BLOCK_N, DS, s_ql, o_desc, TMA_OUT)),
              (_producer, (kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty, BLOCK_N, D_LAT,
                           D_ROPE, OFF32))],
             [4, 4], [V_REGS, P_REGS])
@@ -325,8 +364,14 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
     N, topk = kv.shape[0], indices.shape[1]
     num_hb = triton.cdiv(H, block_h)
     if kernel is None:
+        # the output by TMA from shared memory when every head block is 64 whole rows of out viewed
+        # as [T * H, 512] (else, and for a user's strided out, by stores from registers)
+        tma_out = (H % block_h == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
+                   and out.data_ptr() % 16 == 0)
+        o_desc = TensorDescriptor.from_tensor(out.view(T * H, d_lat), [block_h, 64], _OUT_TILE) if tma_out else None
         kernel, config = sparse_mla_prefill_sm90_kernel, dict(BLOCK_N=BLOCK_N, DS=SCORE_COLS, TAU=TAU,
-                                                              V_REGS=V_REGS, P_REGS=P_REGS, num_warps=NUM_WARPS)
+                                                              V_REGS=V_REGS, P_REGS=P_REGS, num_warps=NUM_WARPS,
+                                                              o_desc=o_desc, TMA_OUT=tma_out)
     kernel[(T * num_hb,)](
         q, kv, indices,
         topk_length if topk_length is not None else indices,

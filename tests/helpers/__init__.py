@@ -259,7 +259,9 @@ for i, arg in enumerate(fn.arg_names):
     if arg in const:
         sig[arg] = "constexpr"
     elif arg in named:
-        sig[arg], attrs[(i,)] = named[arg], [["tt.divisibility", 16]]
+        sig[arg] = named[arg]
+        if not named[arg].startswith("tensordesc"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     elif i < len(ptrs):
         sig[arg], attrs[(i,)] = ptrs[i], [["tt.divisibility", 16]]
     else:
@@ -275,7 +277,8 @@ regs, stack = map(int, re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups())
 print(json.dumps(dict(shared=k.metadata.shared, regs=regs, stack=stack, hgmma=sass.count("HGMMA"),
                       ldgsts128=sass.count("LDGSTS.E.BYPASS.128"), ldgsts=sass.count("LDGSTS"),
                       ldg128=len(re.findall(r"LDG\\.E[.A-Z0-9_]*\\.128", sass)),
-                      stg128=len(re.findall(r"STG\\.E[.A-Z0-9_]*\\.128", sass)))))
+                      stg128=len(re.findall(r"STG\\.E[.A-Z0-9_]*\\.128", sass)),
+                      tma_store=sass.count("UTMASTG"))))
 """
 
 
@@ -285,7 +288,8 @@ def compile_gluon_sm90(module: str, name: str, const: dict, ptr_types: list, num
     shared memory, registers, spill stack and SASS counts (wgmma, cp.async). Gluon does not run
     in the interpreter, which also replaces jit functions in this process: a child compiles it.
     ptr_types: the types of the leading (pointer) arguments; named_ptrs: {argument: type} for
-    arguments further on that a launch specializes as multiples of 16 (pointers, or int strides)."""
+    arguments further on that a launch specializes as multiples of 16 (pointers, or int strides),
+    or tensor descriptors (their `triton.runtime.jit.mangle_type`)."""
     import json
     import subprocess
     import sys

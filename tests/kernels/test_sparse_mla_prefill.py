@@ -145,22 +145,34 @@ def test_triton_kernel_on_hopper(case, request, monkeypatch):
 
 
 @pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+@pytest.mark.parametrize("tma_out", [True, False], ids=["tma-out", "register-out"])
 @pytest.mark.parametrize("d_rope", [64, 0], ids=["d_qk576", "d_qk512"])
-def test_sm90_kernel_compiles_without_spills(d_rope):
+def test_sm90_kernel_compiles_without_spills(d_rope, tma_out):
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
     that breaks it, spills or outgrows shared memory fails on the CPU too; for V3.2 rows and for
-    DeepSeek-V4's 512-wide rows (no rope buffers). What it is for: the score warpgroup's wgmmas
-    (rope 4 + latent 32 k16 steps, then 4 value steps over its 128 columns), the value
-    warpgroup's (4 steps x 3 chunks of 128 columns), and 16-byte cp.async copies: the producer's
-    gathers (per thread per block of 64 rows: 32 latent + 4 rope) and q's (the same count)."""
+    DeepSeek-V4's 512-wide rows (no rope buffers), the output by TMA (8 stores of 64 columns) or
+    from registers. What it is for: the score warpgroup's wgmmas (rope 4 + latent 32 k16 steps,
+    then 4 value steps over its 128 columns), the value warpgroup's (4 steps x 3 chunks of 128
+    columns), and 16-byte cp.async copies: the producer's gathers (per thread per block of 64
+    rows: 32 latent + 4 rope) and q's (the same count)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+    const = dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=d_rope, BLOCK_H=sm90.BLOCK_H,
+                 BLOCK_N=sm90.BLOCK_N, DS=sm90.SCORE_COLS, TAU=sm90.TAU, V_REGS=sm90.V_REGS,
+                 P_REGS=sm90.P_REGS, TMA_OUT=tma_out)
+    named = {}
+    if tma_out:
+        out = torch.empty(2 * sm90.BLOCK_H, 512, dtype=torch.bfloat16)
+        named["o_desc"] = mangle_type(TensorDescriptor.from_tensor(out, [sm90.BLOCK_H, 64], sm90._OUT_TILE))
+    else:
+        const["o_desc"] = None
     got = compile_gluon_sm90(
-        "openmla.kernels.sparse_mla_prefill.sm90", "sparse_mla_prefill_sm90_kernel",
-        dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=d_rope, BLOCK_H=sm90.BLOCK_H,
-             BLOCK_N=sm90.BLOCK_N, DS=sm90.SCORE_COLS, TAU=sm90.TAU, V_REGS=sm90.V_REGS, P_REGS=sm90.P_REGS),
-        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90.NUM_WARPS)
+        "openmla.kernels.sparse_mla_prefill.sm90", "sparse_mla_prefill_sm90_kernel", const,
+        ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90.NUM_WARPS, named_ptrs=named)
     assert got["shared"] <= 227 * 1024 and got["stack"] == 0 and got["regs"] <= 255, got
     assert got["hgmma"] == (4 if d_rope else 0) + 32 + 4 + 3 * 4, got
     assert got["ldgsts128"] == 2 * (32 + (4 if d_rope else 0)), got
+    assert got["tma_store"] == (512 // 64 if tma_out else 0), got
 
 
 @pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
