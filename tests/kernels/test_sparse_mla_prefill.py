@@ -175,6 +175,37 @@ def test_sm90_kernel_compiles_without_spills(d_rope, tma_out):
     assert got["tma_store"] == (512 // 64 if tma_out else 0), got
 
 
+@pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+@pytest.mark.parametrize("H,strided,want", [(64, False, True), (128, False, True), (96, False, False),
+                                            (64, True, False)])
+def test_sm90_output_path_choice(H, strided, want, monkeypatch):
+    """The 64-head kernel's output leaves by TMA (a descriptor over out as [T * H, 512], [64, 64]
+    tiles) only when every head block is 64 whole rows of a contiguous out; else from registers.
+    The launch is recorded (Gluon does not run in the interpreter)."""
+    seen = {}
+
+    class _Record:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.update(grid=grid, **kw)
+
+    monkeypatch.setattr(sm90, "sparse_mla_prefill_sm90_kernel", _Record())
+    T = 3
+    q = torch.randn(T, H, 576).bfloat16()
+    kv = torch.randn(100, 576).bfloat16()
+    idx = torch.zeros(T, 64, dtype=torch.int32)
+    out = torch.empty(T, H, 1024, dtype=torch.bfloat16)[..., :512] if strided else torch.empty(T, H, 512,
+                                                                                               dtype=torch.bfloat16)
+    ml, lse = torch.empty(T, H), torch.empty(T, H)
+    sm90.launch(q, kv, idx, None, None, out, ml, lse, 0.1, 1.4426950408889634, 512, 64)
+    assert seen["grid"] == (T * -(-H // sm90.BLOCK_H),) and seen["TMA_OUT"] is want
+    if want:
+        d = seen["o_desc"]
+        assert list(d.shape) == [T * H, 512] and list(d.block_shape) == [sm90.BLOCK_H, 64]
+        assert d.base.data_ptr() == out.data_ptr()
+    else:
+        assert seen["o_desc"] is None
+
+
 @pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
 @pytest.mark.parametrize("block_h", [16, 32])
 @pytest.mark.parametrize("flags", [False, True], ids=["per-score", "row-flags"])
