@@ -7,8 +7,9 @@ conversion):
 - the producer (P_REGS registers; `_producer`, also the keys-on-M kernel's) gathers block i (64
   rows: latent and rope, 16-byte cp.async, rows outside [0, N) zero-filled and never read) into
   stage i % 2 once both consumers have released it;
-- the score warpgroup (the default partition: the registers the workers leave) copies q into shared
-  memory (cp.async, while the producer gathers the first blocks), then per block computes S [64 heads, 64
+- the score warpgroup (the default partition: the registers the workers leave) loads q into shared
+  memory (TMA tiles of 64 columns, or cp.async for a strided q or a partial head block, while the
+  producer gathers the first blocks), then per block computes S [64 heads, 64
   keys] (one wgmma chain: rope, then latent), the online softmax, stores P (bf16) and the heads'
   rescale factor into shared memory for the value warpgroup and adds P V[:, :SCORE_COLS] into its
   part of the output (P from registers);
@@ -22,9 +23,10 @@ is refilled only after both consumers released it): [64 heads, 64 keys] bf16 is 
 the exponent follows a head's running max lazily (as in sm90_kn.py: only when the max rose by more
 than 2^TAU), the exact max kept for max_logits. The output goes through q's buffer (free once the
 last score chain has read it) and leaves by TMA stores (~2 us a program faster than stores from
-registers: docs/notes/sparse_mla_prefill.md); where a head block is not 64 whole rows of the output
-(H not a multiple of 64, a strided out) the rows are stored from registers, past L2 (evict-first),
-so that they do not push the gathered rows out.
+registers: docs/notes/sparse_mla_prefill.md; the value warpgroup waits once, after its last
+store); where a head block is not 64 whole rows of the output (H not a multiple of 64, a strided
+out) the rows are stored from registers, past L2 (evict-first), so that they do not push the
+gathered rows out.
 Shared memory: q 72 KB + two 72 KB stages: one program per SM.
 
 Also here: the row copy of the bf16-cache decode kernel (`copy_rows_at`) and the launcher of both
@@ -143,18 +145,20 @@ if _GLUON:
                  eviction_policy="evict_first")
 
     @gluon.jit
-    def _store_cols_tma(o, s_o, C0: gl.constexpr, o_desc, i_t, i_hb, H, BLOCK_H: gl.constexpr):
+    def _store_cols_tma(o, s_o, C0: gl.constexpr, o_desc, i_t, i_hb, H, BLOCK_H: gl.constexpr,
+                        WAIT: gl.constexpr = True):
         # output columns C0 .. C0 + o.shape[1] (already times 1 / sum) through the same columns of
         # s_o [BLOCK_H, 512] (q's buffer), then TMA stores of [BLOCK_H, 64] tiles (the buffer's
-        # 128-byte swizzle keeps each 64-column block as one 8 KB tile); waited for before the
-        # program ends, so the buffer outlives the copies
+        # 128-byte swizzle keeps each 64-column block as one 8 KB tile); a warpgroup's last call
+        # waits for all its stores (WAIT), so the buffer outlives the copies
         s_o.slice(C0, o.shape[1], dim=1).store(o.to(gl.bfloat16))
         hopper.fence_async_shared()
         gl.thread_barrier()
         row0 = (i_t * H + i_hb * BLOCK_H).to(gl.int32)
         for c in gl.static_range(C0 // 64, (C0 + o.shape[1]) // 64):
             tma.async_copy_shared_to_global(o_desc, [row0, c * 64], s_o.slice(c * 64, 64, dim=1))
-        tma.store_wait(0)
+        if WAIT:
+            tma.store_wait(0)
 
     @gluon.jit
     def _load_q(q_ptr, i_t, i_hb, H, stride_qt, stride_qh, s_ql, s_qr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
@@ -180,7 +184,7 @@ if _GLUON:
                 p_idx, n_use, n_blk, N, scale, scale_log2, sink_ptr, out_ptr, ml_ptr, lse_ptr, i_t, i_hb, H,
                 stride_ot, stride_oh, HAS_SINK: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DS: gl.constexpr, TAU: gl.constexpr,
-                o_desc, TMA_OUT: gl.constexpr):
+                o_desc, TMA_OUT: gl.constexpr, q_desc, qbar, Q_TMA: gl.constexpr):
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -190,9 +194,18 @@ if _GLUON:
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-        _load_q(q_ptr, i_t, i_hb, H, stride_qt, stride_qh, s_ql, s_qr, D_LAT, D_ROPE, BLOCK_H)
-        hopper.fence_async_shared()
-        gl.thread_barrier()
+        if Q_TMA:  # q's [BLOCK_H, 64] tiles of q viewed as [T * H, D_LAT + D_ROPE], on one mbarrier
+            row_q = (i_t * H + i_hb * BLOCK_H).to(gl.int32)
+            mbarrier.expect(qbar, BLOCK_H * (D_LAT + D_ROPE) * 2)
+            for c in gl.static_range(D_LAT // 64):
+                tma.async_copy_global_to_shared(q_desc, [row_q, c * 64], qbar, s_ql.slice(c * 64, 64, dim=1))
+            if D_ROPE > 0:
+                tma.async_copy_global_to_shared(q_desc, [row_q, D_LAT], qbar, s_qr)
+            mbarrier.wait(qbar, 0)
+        else:
+            _load_q(q_ptr, i_t, i_hb, H, stride_qt, stride_qh, s_ql, s_qr, D_LAT, D_ROPE, BLOCK_H)
+            hopper.fence_async_shared()
+            gl.thread_barrier()
         zs = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
         # m_i: the exponent's shift, m_x: the exact max, both in raw q.k units (scale > 0)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
@@ -285,8 +298,8 @@ if _GLUON:
         mbarrier.wait(done, 0)
         inv = s_inv.load(ROW_O)
         if TMA_OUT:  # into q's buffer (the score warpgroup read q last before it arrived on done)
-            _store_cols_tma(acc_a * inv[:, None], s_ql, DS, o_desc, i_t, i_hb, H, BLOCK_H)
-            _store_cols_tma(acc_b * inv[:, None], s_ql, 2 * DS, o_desc, i_t, i_hb, H, BLOCK_H)
+            _store_cols_tma(acc_a * inv[:, None], s_ql, DS, o_desc, i_t, i_hb, H, BLOCK_H, False)
+            _store_cols_tma(acc_b * inv[:, None], s_ql, 2 * DS, o_desc, i_t, i_hb, H, BLOCK_H, False)
             _store_cols_tma(acc_c * inv[:, None], s_ql, 3 * DS, o_desc, i_t, i_hb, H, BLOCK_H)
         else:
             _store_cols(acc_a, inv, DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
@@ -305,7 +318,7 @@ if _GLUON:
         HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, OFF32: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         DS: gl.constexpr, TAU: gl.constexpr, V_REGS: gl.constexpr, P_REGS: gl.constexpr,
-        o_desc, TMA_OUT: gl.constexpr,
+        o_desc, TMA_OUT: gl.constexpr, q_desc=None, Q_TMA: gl.constexpr = False,
     ):
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         SHP: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
@@ -337,6 +350,9 @@ if _GLUON:
             mbarrier.init(empty.index(b), count=2)  # the score and the value warpgroups
             mbarrier.init(pfull.index(b), count=1)
         mbarrier.init(done, count=1)
+        qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(qbar, count=1)
+        hopper.fence_async_shared()  # the barriers' init before q's TMA loads signal one
 
         n_use = TOPK
         if HAS_LEN:
@@ -347,7 +363,7 @@ if _GLUON:
             [(_scores, (q_ptr, stride_qt, stride_qh, s_ql, s_qr, s_kl, s_kr, s_p, s_f, s_inv, full, empty, pfull,
                         done, p_idx, n_use, n_blk, N, scale, scale_log2, sink_ptr, out_ptr, ml_ptr, lse_ptr, i_t,
                         i_hb, H, stride_ot, stride_oh, HAS_SINK, D_LAT, D_ROPE, BLOCK_H, BLOCK_N, DS, TAU, o_desc,
-                        TMA_OUT)),
+                        TMA_OUT, q_desc, qbar, Q_TMA)),
              (_values, (s_kl, s_p, s_f, s_inv, empty, pfull, done, n_blk, out_ptr, i_t, i_hb, H, stride_ot,
                         stride_oh, D_LAT, BLOCK_H, BLOCK_N, DS, s_ql, o_desc, TMA_OUT)),
              (_producer, (kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty, BLOCK_N, D_LAT,
@@ -365,13 +381,20 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
     num_hb = triton.cdiv(H, block_h)
     if kernel is None:
         # the output by TMA from shared memory when every head block is 64 whole rows of out viewed
-        # as [T * H, 512] (else, and for a user's strided out, by stores from registers)
-        tma_out = (H % block_h == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
+        # as [T * H, 512] (else, and for a user's strided out, by stores from registers; TMA
+        # coordinates are 32-bit)
+        tma_out = (H % block_h == 0 and T * H < 2 ** 31 and out.dtype == torch.bfloat16 and out.is_contiguous()
                    and out.data_ptr() % 16 == 0)
         o_desc = TensorDescriptor.from_tensor(out.view(T * H, d_lat), [block_h, 64], _OUT_TILE) if tma_out else None
+        # q by TMA likewise when it is [T * H, d_qk] rows (a strided q keeps the cp.async copy)
+        d_qk = d_lat + d_rope
+        q_tma = (H % block_h == 0 and T * H < 2 ** 31 and q.stride() == (H * d_qk, d_qk, 1)
+                 and q.data_ptr() % 16 == 0)
+        q_desc = TensorDescriptor.from_tensor(q.view(T * H, d_qk), [block_h, 64], _OUT_TILE) if q_tma else None
         kernel, config = sparse_mla_prefill_sm90_kernel, dict(BLOCK_N=BLOCK_N, DS=SCORE_COLS, TAU=TAU,
                                                               V_REGS=V_REGS, P_REGS=P_REGS, num_warps=NUM_WARPS,
-                                                              o_desc=o_desc, TMA_OUT=tma_out)
+                                                              o_desc=o_desc, TMA_OUT=tma_out,
+                                                              q_desc=q_desc, Q_TMA=q_tma)
     kernel[(T * num_hb,)](
         q, kv, indices,
         topk_length if topk_length is not None else indices,

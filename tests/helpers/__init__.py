@@ -278,7 +278,7 @@ print(json.dumps(dict(shared=k.metadata.shared, regs=regs, stack=stack, hgmma=sa
                       ldgsts128=sass.count("LDGSTS.E.BYPASS.128"), ldgsts=sass.count("LDGSTS"),
                       ldg128=len(re.findall(r"LDG\\.E[.A-Z0-9_]*\\.128", sass)),
                       stg128=len(re.findall(r"STG\\.E[.A-Z0-9_]*\\.128", sass)),
-                      tma_store=sass.count("UTMASTG"))))
+                      tma_store=sass.count("UTMASTG"), tma_load=sass.count("UTMALDG"))))
 """
 
 

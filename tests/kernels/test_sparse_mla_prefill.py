@@ -145,43 +145,48 @@ def test_triton_kernel_on_hopper(case, request, monkeypatch):
 
 
 @pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
-@pytest.mark.parametrize("tma_out", [True, False], ids=["tma-out", "register-out"])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma-io", "register-io"])
 @pytest.mark.parametrize("d_rope", [64, 0], ids=["d_qk576", "d_qk512"])
-def test_sm90_kernel_compiles_without_spills(d_rope, tma_out):
+def test_sm90_kernel_compiles_without_spills(d_rope, tma):
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90a so that a change
     that breaks it, spills or outgrows shared memory fails on the CPU too; for V3.2 rows and for
-    DeepSeek-V4's 512-wide rows (no rope buffers), the output by TMA (8 stores of 64 columns) or
-    from registers. What it is for: the score warpgroup's wgmmas (rope 4 + latent 32 k16 steps,
-    then 4 value steps over its 128 columns), the value warpgroup's (4 steps x 3 chunks of 128
-    columns), and 16-byte cp.async copies: the producer's gathers (per thread per block of 64
-    rows: 32 latent + 4 rope) and q's (the same count)."""
+    DeepSeek-V4's 512-wide rows (no rope buffers), q in and the output out by TMA (tiles of 64
+    columns: 9 or 8 loads, 8 stores) or by cp.async and stores from registers. What it is for: the
+    score warpgroup's wgmmas (rope 4 + latent 32 k16 steps, then 4 value steps over its 128
+    columns), the value warpgroup's (4 steps x 3 chunks of 128 columns), and 16-byte cp.async
+    copies: the producer's gathers (per thread per block of 64 rows: 32 latent + 4 rope) and, without
+    TMA, q's (the same count)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
     const = dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=d_rope, BLOCK_H=sm90.BLOCK_H,
                  BLOCK_N=sm90.BLOCK_N, DS=sm90.SCORE_COLS, TAU=sm90.TAU, V_REGS=sm90.V_REGS,
-                 P_REGS=sm90.P_REGS, TMA_OUT=tma_out)
+                 P_REGS=sm90.P_REGS, TMA_OUT=tma, Q_TMA=tma)
     named = {}
-    if tma_out:
+    if tma:
         out = torch.empty(2 * sm90.BLOCK_H, 512, dtype=torch.bfloat16)
+        q = torch.empty(2 * sm90.BLOCK_H, 512 + d_rope, dtype=torch.bfloat16)
         named["o_desc"] = mangle_type(TensorDescriptor.from_tensor(out, [sm90.BLOCK_H, 64], sm90._OUT_TILE))
+        named["q_desc"] = mangle_type(TensorDescriptor.from_tensor(q, [sm90.BLOCK_H, 64], sm90._OUT_TILE))
     else:
-        const["o_desc"] = None
+        const.update(o_desc=None, q_desc=None)
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_prefill.sm90", "sparse_mla_prefill_sm90_kernel", const,
         ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90.NUM_WARPS, named_ptrs=named)
     assert got["shared"] <= 227 * 1024 and got["stack"] == 0 and got["regs"] <= 255, got
     assert got["hgmma"] == (4 if d_rope else 0) + 32 + 4 + 3 * 4, got
-    assert got["ldgsts128"] == 2 * (32 + (4 if d_rope else 0)), got
-    assert got["tma_store"] == (512 // 64 if tma_out else 0), got
+    assert got["ldgsts128"] == (1 if tma else 2) * (32 + (4 if d_rope else 0)), got
+    assert got["tma_store"] == (512 // 64 if tma else 0), got
+    assert got["tma_load"] == ((512 + d_rope) // 64 if tma else 0), got
 
 
 @pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
-@pytest.mark.parametrize("H,strided,want", [(64, False, True), (128, False, True), (96, False, False),
-                                            (64, True, False)])
-def test_sm90_output_path_choice(H, strided, want, monkeypatch):
+@pytest.mark.parametrize("H,strided,want", [(64, "", True), (128, "", True), (96, "", False),
+                                            (64, "out", False), (64, "q", False)])
+def test_sm90_io_path_choice(H, strided, want, monkeypatch):
     """The 64-head kernel's output leaves by TMA (a descriptor over out as [T * H, 512], [64, 64]
-    tiles) only when every head block is 64 whole rows of a contiguous out; else from registers.
-    The launch is recorded (Gluon does not run in the interpreter)."""
+    tiles) only when every head block is 64 whole rows of a contiguous out, else from registers;
+    q arrives by TMA (over q as [T * H, 576]) under the same rule for q, else by cp.async. The
+    launch is recorded (Gluon does not run in the interpreter)."""
     seen = {}
 
     class _Record:
@@ -190,20 +195,22 @@ def test_sm90_output_path_choice(H, strided, want, monkeypatch):
 
     monkeypatch.setattr(sm90, "sparse_mla_prefill_sm90_kernel", _Record())
     T = 3
-    q = torch.randn(T, H, 576).bfloat16()
+    q = torch.randn(T, H, 1152).bfloat16()[..., 576:] if strided == "q" else torch.randn(T, H, 576).bfloat16()
     kv = torch.randn(100, 576).bfloat16()
     idx = torch.zeros(T, 64, dtype=torch.int32)
-    out = torch.empty(T, H, 1024, dtype=torch.bfloat16)[..., :512] if strided else torch.empty(T, H, 512,
-                                                                                               dtype=torch.bfloat16)
+    out = torch.empty(T, H, 1024, dtype=torch.bfloat16)[..., :512] if strided == "out" else torch.empty(
+        T, H, 512, dtype=torch.bfloat16)
     ml, lse = torch.empty(T, H), torch.empty(T, H)
     sm90.launch(q, kv, idx, None, None, out, ml, lse, 0.1, 1.4426950408889634, 512, 64)
-    assert seen["grid"] == (T * -(-H // sm90.BLOCK_H),) and seen["TMA_OUT"] is want
-    if want:
-        d = seen["o_desc"]
-        assert list(d.shape) == [T * H, 512] and list(d.block_shape) == [sm90.BLOCK_H, 64]
-        assert d.base.data_ptr() == out.data_ptr()
-    else:
-        assert seen["o_desc"] is None
+    assert seen["grid"] == (T * -(-H // sm90.BLOCK_H),)
+    for name, t, d_qk, use in (("o", out, 512, want or strided == "q"), ("q", q, 576, want or strided == "out")):
+        assert seen[name.upper() + "_TMA" if name == "q" else "TMA_OUT"] is use
+        d = seen[name + "_desc"]
+        if use:
+            assert list(d.shape) == [T * H, d_qk] and list(d.block_shape) == [sm90.BLOCK_H, 64]
+            assert d.base.data_ptr() == t.data_ptr()
+        else:
+            assert d is None
 
 
 @pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
