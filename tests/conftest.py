@@ -349,7 +349,7 @@ def _install_interpreter_fixes() -> None:
 
 
 def _install_interpreter_speedups(tl, interp) -> None:
-    """Two pure speed-ups of Triton 3.6's interpreter; what the kernels compute is unchanged.
+    """Pure speed-ups of Triton 3.6's interpreter; what the kernels compute is unchanged.
 
     * Every call of a @triton.jit device function (and every element a tl.reduce / argmax-style
       combine function folds, one call each) re-ran _patch_lang: inspect.getmembers over
@@ -441,6 +441,22 @@ def _install_interpreter_speedups(tl, interp) -> None:
         return orig_apply(self, input)
 
     interp.ReduceOps.apply_impl = apply_impl
+
+    # Integer +, - and * check for overflow by recomputing in int64 and handing the bounds test to
+    # device_assert, which does nothing unless the options' debug is set; the interpreter's options
+    # never set it (InterpreterOptions()), so the check built ~10 tensors per integer op only to
+    # drop them. Skipped while debug is off (the paged-attention fault tests and a decode-step
+    # layer test: 84 -> 62 s in one process, 2026-11-29).
+    from triton.language.semantic import TritonSemantic
+    orig_sanitize = _expect(TritonSemantic, "binary_op_sanitize_overflow_impl", ["self", "lhs", "rhs", "binary_op"])
+    assert interp.InterpreterOptions().debug is False, "tests/conftest.py: the interpreter's debug default changed"
+
+    def sanitize_overflow(self, lhs, rhs, binary_op):
+        if not self.builder.options.debug:
+            return None
+        return orig_sanitize(self, lhs, rhs, binary_op)
+
+    TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_overflow
 
 
 if INTERPRET:

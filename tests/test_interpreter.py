@@ -1,7 +1,7 @@
 """Each correction tests/conftest.py makes to Triton's interpreter, proven against torch.
 
 Under TRITON_INTERPRET=1 these tests check the patched interpreter; with OPENMLA_NO_INTERP_FIX=1
-as well (the interpreter as shipped) every test here fails except the three marked "guard", which
+as well (the interpreter as shipped) every test here fails except the four marked "guard", which
 hold as shipped and pin behaviour the corrections (and the speed-ups) must keep. On a GPU (TRITON_INTERPRET unset)
 the same tests check the real compiler against the same oracles: that is what makes them the
 reference for what the interpreter must compute.
@@ -481,3 +481,21 @@ def _reduce_max(x, axis, combine):
     y = torch.empty(x.shape[1 - axis], device=DEVICE)
     _reduce_max_kernel[(1,)](x.to(DEVICE), y, combine, x.shape[0], x.shape[1], axis)
     return y.cpu()
+
+
+@triton.jit
+def _int_math_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    b_x = tl.load(x_ptr + o)
+    tl.store(y_ptr + o, (b_x * 3 + 7) - b_x)
+
+
+def test_int32_arithmetic_wraps_without_an_overflow_check_guard():
+    """Integer +, -, * past int32's range wrap (two's complement), as compiled code does without
+    debug, with the interpreter's overflow check (an assert that is off unless debug is set, which
+    the interpreter never sets) as shipped and with conftest skipping it."""
+    x = torch.tensor([2 ** 30, -2 ** 31, 5, 2 ** 31 - 1, -7, 0, 123456789, -987654321], dtype=torch.int32)
+    y_dev = torch.empty_like(x, device=DEVICE)
+    _int_math_kernel[(1,)](x.to(DEVICE), y_dev, BLOCK=8)
+    want = (x.long() * 3 + 7 - x.long() + 2 ** 31) % 2 ** 32 - 2 ** 31
+    assert torch.equal(y_dev.cpu().long(), want)

@@ -45,8 +45,12 @@ def _mha_core(q, k, v, context_len, *, scale, causal, window, softcap, alibi_slo
     Lq, H, _ = q.shape
     Lk, H_kv = k.shape[:2]
     group = H // H_kv
-    k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
-    v = v.repeat_interleave(group, dim=1)
+    # query head h = g * group + j reads kv head g: q as [Lq, H_kv, group, D], no copies of k, v
+    q = q.reshape(Lq, H_kv, group, q.shape[-1])
+    # keys with a non-finite value vector, [H, 1, Lk]; the values with those as 0 for the dot
+    # (p = 0 there would still give 0 * NaN): the rows that attend them turn NaN below
+    v_bad = (~torch.isfinite(v).all(-1)).repeat_interleave(group, dim=1).T[:, None, :]
+    v_ok = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
     left, right = window
     kpos = torch.arange(Lk, device=q.device)
     out = torch.empty(Lq, H, v.shape[-1], dtype=torch.float64, device=q.device)
@@ -56,8 +60,8 @@ def _mha_core(q, k, v, context_len, *, scale, causal, window, softcap, alibi_slo
     for i0 in range(0, Lq, rows):
         i1 = min(Lq, i0 + rows)
         qpos = context_len + torch.arange(i0, i1, device=q.device)
-        s = scale * torch.einsum("qhd,khd->hqk", q[i0:i1], k)  # [H, q, Lk]
-        bad = ~torch.isfinite(s) | ~torch.isfinite(v).all(-1).T[:, None, :]  # [H, q, Lk]
+        s = scale * torch.einsum("qgjd,kgd->gjqk", q[i0:i1], k).reshape(H, i1 - i0, Lk)  # [H, q, Lk]
+        bad = ~torch.isfinite(s) | v_bad  # [H, q, Lk]
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
         allowed = torch.ones(i1 - i0, Lk, dtype=torch.bool, device=q.device)
@@ -76,10 +80,8 @@ def _mha_core(q, k, v, context_len, *, scale, causal, window, softcap, alibi_slo
                 bias = (kpos - context_len).double()[None, :]
             s = s + alibi_slopes.double()[:, None, None] * bias
         p, lse_keys = _softmax(s, sink)
-        # bad values as 0 in the dot (p = 0 there would still give 0 * NaN); the rows that attend
-        # them turn NaN below
-        v_ok = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
-        out[i0:i1] = torch.einsum("hqk,khd->qhd", p, v_ok)
+        out[i0:i1] = torch.einsum("gjqk,kgd->qgjd", p.reshape(H_kv, group, i1 - i0, Lk),
+                                  v_ok).reshape(i1 - i0, H, -1)
         lse[i0:i1] = (lse_keys if sink is None else torch.logaddexp(lse_keys, sink)).T
         _nan_faults((bad & allowed[None]).any(-1).T, out[i0:i1], lse[i0:i1])
     return out, lse
