@@ -18,6 +18,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import libdevice as cuda_libdevice
 
+from openmla.quant import int8 as _int8
+from openmla.quant import mla_writer as _mla_writer
 from tests.helpers import DEVICE, INTERPRET, assert_close
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -466,11 +468,16 @@ def test_nan_max_reduce_is_the_elementwise_fold_guard():
 
 
 @triton.jit
-def _reduce_max_kernel(x_ptr, y_ptr, combine: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+def _reduce_max_kernel(x_ptr, y_ptr, WRITER: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                        AXIS: tl.constexpr):
+    # the combine function named in the body (the compiler takes no function as a constexpr
+    # argument): mla_writer's or int8's _max_nan
     o_r, o_c = tl.arange(0, R), tl.arange(0, C)
     b_x = tl.load(x_ptr + o_r[:, None] * C + o_c[None, :])
-    b_y = tl.reduce(b_x, AXIS, combine)
+    if WRITER:
+        b_y = tl.reduce(b_x, AXIS, _mla_writer._max_nan)
+    else:
+        b_y = tl.reduce(b_x, AXIS, _int8._max_nan)
     if AXIS == 1:
         tl.store(y_ptr + o_r, b_y)
     else:
@@ -479,7 +486,8 @@ def _reduce_max_kernel(x_ptr, y_ptr, combine: tl.constexpr, R: tl.constexpr, C: 
 
 def _reduce_max(x, axis, combine):
     y = torch.empty(x.shape[1 - axis], device=DEVICE)
-    _reduce_max_kernel[(1,)](x.to(DEVICE), y, combine, x.shape[0], x.shape[1], axis)
+    assert combine in (_int8._max_nan, _mla_writer._max_nan)
+    _reduce_max_kernel[(1,)](x.to(DEVICE), y, combine is _mla_writer._max_nan, x.shape[0], x.shape[1], axis)
     return y.cpu()
 
 
