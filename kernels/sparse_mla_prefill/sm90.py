@@ -371,6 +371,17 @@ if _GLUON:
             [4, 4], [V_REGS, P_REGS])
 
 
+def _rows_desc(t, block_h):
+    """A TMA descriptor of [block_h, 64] tiles over t [T, H, width] bf16 viewed as [T * H, width]
+    rows, when every head block is block_h whole rows of it (H a multiple of block_h, t dense and
+    16-byte aligned, rows within TMA's 32-bit coordinates); else None."""
+    T, H, width = t.shape
+    if (H % block_h or T * H >= 2 ** 31 or t.dtype != torch.bfloat16 or t.stride() != (H * width, width, 1)
+            or t.data_ptr() % 16):
+        return None
+    return TensorDescriptor.from_tensor(t.view(T * H, width), [block_h, 64], _OUT_TILE)
+
+
 def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
            d_lat, d_rope, kernel=None, block_h=BLOCK_H, **config):
     """Run the 64-head kernel (or `kernel`, a Gluon prefill kernel with the same leading arguments:
@@ -380,21 +391,13 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
     N, topk = kv.shape[0], indices.shape[1]
     num_hb = triton.cdiv(H, block_h)
     if kernel is None:
-        # the output by TMA from shared memory when every head block is 64 whole rows of out viewed
-        # as [T * H, 512] (else, and for a user's strided out, by stores from registers; TMA
-        # coordinates are 32-bit)
-        tma_out = (H % block_h == 0 and T * H < 2 ** 31 and out.dtype == torch.bfloat16 and out.is_contiguous()
-                   and out.data_ptr() % 16 == 0)
-        o_desc = TensorDescriptor.from_tensor(out.view(T * H, d_lat), [block_h, 64], _OUT_TILE) if tma_out else None
-        # q by TMA likewise when it is [T * H, d_qk] rows (a strided q keeps the cp.async copy)
-        d_qk = d_lat + d_rope
-        q_tma = (H % block_h == 0 and T * H < 2 ** 31 and q.stride() == (H * d_qk, d_qk, 1)
-                 and q.data_ptr() % 16 == 0)
-        q_desc = TensorDescriptor.from_tensor(q.view(T * H, d_qk), [block_h, 64], _OUT_TILE) if q_tma else None
+        # q in and the output out by TMA where they are [T * H, width] rows (else cp.async and
+        # stores from registers)
+        o_desc, q_desc = _rows_desc(out, block_h), _rows_desc(q, block_h)
         kernel, config = sparse_mla_prefill_sm90_kernel, dict(BLOCK_N=BLOCK_N, DS=SCORE_COLS, TAU=TAU,
                                                               V_REGS=V_REGS, P_REGS=P_REGS, num_warps=NUM_WARPS,
-                                                              o_desc=o_desc, TMA_OUT=tma_out,
-                                                              q_desc=q_desc, Q_TMA=q_tma)
+                                                              o_desc=o_desc, TMA_OUT=o_desc is not None,
+                                                              q_desc=q_desc, Q_TMA=q_desc is not None)
     kernel[(T * num_hb,)](
         q, kv, indices,
         topk_length if topk_length is not None else indices,
