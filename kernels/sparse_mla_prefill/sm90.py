@@ -42,7 +42,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from openmla.kernels.device import sm90_gluon
+from openmla.kernels.device import num_sms, sm90_gluon
+from openmla.kernels.sparse_mla_prefill.tail import merge_tail, tail_split
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
@@ -136,13 +137,17 @@ if _GLUON:
 
     @gluon.jit
     def _store_cols(acc, inv, C0: gl.constexpr, out_ptr, i_t, i_hb, H, stride_ot, stride_oh,
-                    BLOCK_H: gl.constexpr, O_L: gl.constexpr):
-        # output columns C0 .. C0 + acc.shape[1] of this program's heads, times 1 / sum
+                    BLOCK_H: gl.constexpr, O_L: gl.constexpr, KEEP: gl.constexpr = False):
+        # output columns C0 .. C0 + acc.shape[1] of this program's heads, times 1 / sum: past L2
+        # (evict-first), or kept there (KEEP: a split piece's rows, which the merge reads next)
         o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
         o_d = C0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, O_L))
         p_o = out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
-        gl.store(p_o, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=(o_h < H)[:, None],
-                 eviction_policy="evict_first")
+        o = (acc * inv[:, None]).to(out_ptr.dtype.element_ty)
+        if KEEP:
+            gl.store(p_o, o, mask=(o_h < H)[:, None])
+        else:
+            gl.store(p_o, o, mask=(o_h < H)[:, None], eviction_policy="evict_first")
 
     @gluon.jit
     def _store_cols_tma(o, s_o, C0: gl.constexpr, o_desc, i_t, i_hb, H, BLOCK_H: gl.constexpr,
@@ -184,7 +189,7 @@ if _GLUON:
                 p_idx, n_use, n_blk, N, scale, scale_log2, sink_ptr, out_ptr, ml_ptr, lse_ptr, i_t, i_hb, H,
                 stride_ot, stride_oh, HAS_SINK: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DS: gl.constexpr, TAU: gl.constexpr,
-                o_desc, TMA_OUT: gl.constexpr, q_desc, qbar, Q_TMA: gl.constexpr):
+                o_desc, TMA_OUT: gl.constexpr, q_desc, qbar, Q_TMA: gl.constexpr, i_w, ws_o, ws_lse, ws_ml):
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -254,21 +259,29 @@ if _GLUON:
             b_col = b_nx
         o_hs = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
         m_hs = o_hs < H
-        inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_hs, m_hs, HAS_SINK)
+        # a piece (i_w >= 0) leaves the sink to the merge: its sink load is masked off (factor 1)
+        inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_hs, m_hs & (i_w < 0), HAS_SINK)
         s_inv.store(inv)
         mbarrier.arrive(done)
-        if TMA_OUT:  # q's buffer is free: its last reader, this warpgroup's last score chain, is done
-            _store_cols_tma(acc * gl.convert_layout(inv, ROW_O)[:, None], s_ql, 0, o_desc, i_t, i_hb, H, BLOCK_H)
+        if i_w >= 0:  # a piece of a split program: fp32 rows, lse and max_logits into workspace row i_w
+            _store_cols(acc, gl.convert_layout(inv, ROW_O), 0, ws_o, i_w, 0, BLOCK_H, BLOCK_H * D_LAT, D_LAT,
+                        BLOCK_H, O_L, True)
+            o_hw = i_w * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
+            gl.store(ws_ml + o_hw, _max_logits(m_x, lse, scale))
+            gl.store(ws_lse + o_hw, lse)
         else:
-            _store_cols(acc, gl.convert_layout(inv, ROW_O), 0, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H,
-                        O_L)
-        gl.store(ml_ptr + i_t * H + o_hs, _max_logits(m_x, lse, scale), mask=m_hs)
-        gl.store(lse_ptr + i_t * H + o_hs, lse, mask=m_hs)
+            if TMA_OUT:  # q's buffer is free: its last reader, this warpgroup's last score chain, is done
+                _store_cols_tma(acc * gl.convert_layout(inv, ROW_O)[:, None], s_ql, 0, o_desc, i_t, i_hb, H, BLOCK_H)
+            else:
+                _store_cols(acc, gl.convert_layout(inv, ROW_O), 0, out_ptr, i_t, i_hb, H, stride_ot, stride_oh,
+                            BLOCK_H, O_L)
+            gl.store(ml_ptr + i_t * H + o_hs, _max_logits(m_x, lse, scale), mask=m_hs)
+            gl.store(lse_ptr + i_t * H + o_hs, lse, mask=m_hs)
 
     @gluon.jit
     def _values(s_kl, s_p, s_f, s_inv, empty, pfull, done, n_blk, out_ptr, i_t, i_hb, H, stride_ot, stride_oh,
                 D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DS: gl.constexpr,
-                s_ql, o_desc, TMA_OUT: gl.constexpr):
+                s_ql, o_desc, TMA_OUT: gl.constexpr, i_w, ws_o):
         # output columns DS .. D_LAT in three chunks of DS (a shared-memory slice starts at a
         # multiple of its width, so no single wgmma takes 256 columns from DS = 128)
         gl.static_assert(D_LAT == 4 * DS)
@@ -297,19 +310,24 @@ if _GLUON:
             mbarrier.arrive(empty.index(buf))
         mbarrier.wait(done, 0)
         inv = s_inv.load(ROW_O)
-        if TMA_OUT:  # into q's buffer (the score warpgroup read q last before it arrived on done)
-            _store_cols_tma(acc_a * inv[:, None], s_ql, DS, o_desc, i_t, i_hb, H, BLOCK_H, False)
-            _store_cols_tma(acc_b * inv[:, None], s_ql, 2 * DS, o_desc, i_t, i_hb, H, BLOCK_H, False)
-            _store_cols_tma(acc_c * inv[:, None], s_ql, 3 * DS, o_desc, i_t, i_hb, H, BLOCK_H)
+        if i_w >= 0:  # a piece: fp32 rows into workspace row i_w
+            _store_cols(acc_a, inv, DS, ws_o, i_w, 0, BLOCK_H, BLOCK_H * D_LAT, D_LAT, BLOCK_H, O_L, True)
+            _store_cols(acc_b, inv, 2 * DS, ws_o, i_w, 0, BLOCK_H, BLOCK_H * D_LAT, D_LAT, BLOCK_H, O_L, True)
+            _store_cols(acc_c, inv, 3 * DS, ws_o, i_w, 0, BLOCK_H, BLOCK_H * D_LAT, D_LAT, BLOCK_H, O_L, True)
         else:
-            _store_cols(acc_a, inv, DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
-            _store_cols(acc_b, inv, 2 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
-            _store_cols(acc_c, inv, 3 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+            if TMA_OUT:  # into q's buffer (the score warpgroup read q last before it arrived on done)
+                _store_cols_tma(acc_a * inv[:, None], s_ql, DS, o_desc, i_t, i_hb, H, BLOCK_H, False)
+                _store_cols_tma(acc_b * inv[:, None], s_ql, 2 * DS, o_desc, i_t, i_hb, H, BLOCK_H, False)
+                _store_cols_tma(acc_c * inv[:, None], s_ql, 3 * DS, o_desc, i_t, i_hb, H, BLOCK_H)
+            else:
+                _store_cols(acc_a, inv, DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+                _store_cols(acc_b, inv, 2 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
+                _store_cols(acc_c, inv, 3 * DS, out_ptr, i_t, i_hb, H, stride_ot, stride_oh, BLOCK_H, O_L)
 
     # the output tiles' shared layout: q's buffer's (bf16, 128-byte swizzle)
     _OUT_TILE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["p_main", "splits"])  # one compile whatever the grid's split
     def sparse_mla_prefill_sm90_kernel(
         q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, ml_ptr, lse_ptr,
         H, N, TOPK, NUM_HB,
@@ -318,16 +336,22 @@ if _GLUON:
         HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, OFF32: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         DS: gl.constexpr, TAU: gl.constexpr, V_REGS: gl.constexpr, P_REGS: gl.constexpr,
+        p_main, splits, ws_o, ws_lse, ws_ml,
         o_desc, TMA_OUT: gl.constexpr, q_desc=None, Q_TMA: gl.constexpr = False,
     ):
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         SHP: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
         SH1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
-        # the head blocks of one token are neighbouring programs: they gather the same rows
+        # the head blocks of one token are neighbouring programs: they gather the same rows. Programs
+        # from p_main on are pieces of the split programs p_main.. (tail.py), `splits` of each in a row
         i_p = gl.program_id(0)
-        i_t = (i_p // NUM_HB).to(gl.int64)
-        i_hb = i_p % NUM_HB
+        i_w = i_p - p_main  # >= 0: a piece, its workspace row
+        i_q = i_p
+        if i_w >= 0:
+            i_q = p_main + i_w // splits
+        i_t = (i_q // NUM_HB).to(gl.int64)
+        i_hb = i_q % NUM_HB
         s_ql = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], SH)
         s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
         if D_ROPE > 0:
@@ -359,13 +383,20 @@ if _GLUON:
             n_use = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
         n_blk = gl.cdiv(n_use, BLOCK_N)
         p_idx = idx_ptr + i_t * stride_it
+        if i_w >= 0:  # piece j: blocks [lo, hi) of the list
+            j = i_w % splits
+            lo = j * n_blk // splits
+            hi = (j + 1) * n_blk // splits
+            p_idx += lo * BLOCK_N
+            n_use = gl.minimum(n_use - lo * BLOCK_N, (hi - lo) * BLOCK_N)
+            n_blk = hi - lo
         gl.warp_specialize(
             [(_scores, (q_ptr, stride_qt, stride_qh, s_ql, s_qr, s_kl, s_kr, s_p, s_f, s_inv, full, empty, pfull,
                         done, p_idx, n_use, n_blk, N, scale, scale_log2, sink_ptr, out_ptr, ml_ptr, lse_ptr, i_t,
                         i_hb, H, stride_ot, stride_oh, HAS_SINK, D_LAT, D_ROPE, BLOCK_H, BLOCK_N, DS, TAU, o_desc,
-                        TMA_OUT, q_desc, qbar, Q_TMA)),
+                        TMA_OUT, q_desc, qbar, Q_TMA, i_w, ws_o, ws_lse, ws_ml)),
              (_values, (s_kl, s_p, s_f, s_inv, empty, pfull, done, n_blk, out_ptr, i_t, i_hb, H, stride_ot,
-                        stride_oh, D_LAT, BLOCK_H, BLOCK_N, DS, s_ql, o_desc, TMA_OUT)),
+                        stride_oh, D_LAT, BLOCK_H, BLOCK_N, DS, s_ql, o_desc, TMA_OUT, i_w, ws_o)),
              (_producer, (kv_ptr, p_idx, n_use, n_blk, N, stride_kv, s_kl, s_kr, full, empty, BLOCK_N, D_LAT,
                           D_ROPE, OFF32))],
             [4, 4], [V_REGS, P_REGS])
@@ -383,22 +414,34 @@ def _rows_desc(t, block_h):
 
 
 def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
-           d_lat, d_rope, kernel=None, block_h=BLOCK_H, **config):
+           d_lat, d_rope, kernel=None, block_h=BLOCK_H, split=None, **config):
     """Run the 64-head kernel (or `kernel`, a Gluon prefill kernel with the same leading arguments:
     the keys-on-M one passes itself, its head block and its `config`) on validated inputs into the
-    given outputs (T >= 1, H >= 1)."""
+    given outputs (T >= 1, H >= 1). The 64-head kernel's last round is split (tail.py; `split`:
+    (p_main, splits) instead of `tail_split`'s, for tests)."""
     T, H, _ = q.shape
     N, topk = kv.shape[0], indices.shape[1]
     num_hb = triton.cdiv(H, block_h)
+    grid = T * num_hb
+    p_main, splits = grid, 1
     if kernel is None:
         # q in and the output out by TMA where they are [T * H, width] rows (else cp.async and
         # stores from registers)
         o_desc, q_desc = _rows_desc(out, block_h), _rows_desc(q, block_h)
+        p_main, splits = split or tail_split(grid, num_sms(q.device), triton.cdiv(topk, BLOCK_N))
+        pieces = (grid - p_main) * splits
+        ws_o = ws_lse = ws_ml = lse  # the pieces' rows, lse and max_logits (never touched without pieces)
+        if pieces:
+            ws_o = torch.empty((pieces, block_h, d_lat), dtype=torch.float32, device=q.device)
+            ws_lse, ws_ml = (torch.empty((pieces, block_h), dtype=torch.float32, device=q.device) for _ in range(2))
+        grid = p_main + pieces
         kernel, config = sparse_mla_prefill_sm90_kernel, dict(BLOCK_N=BLOCK_N, DS=SCORE_COLS, TAU=TAU,
                                                               V_REGS=V_REGS, P_REGS=P_REGS, num_warps=NUM_WARPS,
+                                                              p_main=p_main, splits=splits, ws_o=ws_o,
+                                                              ws_lse=ws_lse, ws_ml=ws_ml,
                                                               o_desc=o_desc, TMA_OUT=o_desc is not None,
                                                               q_desc=q_desc, Q_TMA=q_desc is not None)
-    kernel[(T * num_hb,)](
+    kernel[(grid,)](
         q, kv, indices,
         topk_length if topk_length is not None else indices,
         attn_sink if attn_sink is not None else lse,
@@ -410,3 +453,5 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
         OFF32=(N - 1) * kv.stride(0) + d_lat + d_rope < 2 ** 31,
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, **config,
     )
+    if splits > 1:
+        merge_tail(ws_o, ws_lse, ws_ml, attn_sink, out, lse, max_logits, p_main, splits, num_hb, num_sms(q.device))

@@ -161,7 +161,7 @@ def test_sm90_kernel_compiles_without_spills(d_rope, tma):
     const = dict(HAS_LEN=True, HAS_SINK=True, OFF32=False, D_LAT=512, D_ROPE=d_rope, BLOCK_H=sm90.BLOCK_H,
                  BLOCK_N=sm90.BLOCK_N, DS=sm90.SCORE_COLS, TAU=sm90.TAU, V_REGS=sm90.V_REGS,
                  P_REGS=sm90.P_REGS, TMA_OUT=tma, Q_TMA=tma)
-    named = {}
+    named = dict(ws_o="*fp32", ws_lse="*fp32", ws_ml="*fp32")  # the split pieces' workspace (tail.py)
     if tma:
         out = torch.empty(2 * sm90.BLOCK_H, 512, dtype=torch.bfloat16)
         q = torch.empty(2 * sm90.BLOCK_H, 512 + d_rope, dtype=torch.bfloat16)

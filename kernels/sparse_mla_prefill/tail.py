@@ -1,0 +1,108 @@
+"""The last round of a prefill grid, split: which programs are split (`tail_split`) and the merge of
+their pieces (`merge_tail`).
+
+A 64-head prefill program (sm90.py) owns one token's head block and walks its whole index list, one
+program an SM. A grid of P programs on S SMs ends with a round of P mod S programs while the other
+SMs idle: a grid smaller than S (a short prefill: 16 tokens x 64 heads take 16 SMs) is all last
+round, and a grid of two or three rounds waits for its last one as long as for the others (over many
+rounds the programs' ends drift apart and the last round fills in: no gain measured at 31 rounds).
+There each of the last r programs becomes `splits` pieces (at most S // r, each of at least
+MIN_PIECE_BLOCKS blocks of its list) where the cost model below predicts a gain; a piece writes its rows normalized over its own keys in fp32 with their lse and max_logits (no sink),
+and `merge_tail` folds the pieces of a program into out, lse and max_logits (sink applied there).
+
+Piece j of `splits` owns blocks [j * n_blk // splits, (j + 1) * n_blk // splits) of its token's
+n_blk = cdiv(min(topk_length, topk), BLOCK_N) blocks: every piece gets n_blk // splits or one more
+(an empty piece, only where topk_length cuts the list short, reports lse -inf and is ignored).
+Measured: docs/notes/sparse_mla_prefill.md ("The last round, split").
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from openmla.kernels.merge import merge_finish, merge_parts, parts_tile
+from openmla.kernels.sparse_mla_decode.shared import sink_factor
+
+MIN_PIECE_BLOCKS = 2  # blocks of 64 keys a piece walks at least
+MAX_ROUNDS = 3  # split only grids of fewer rounds (at 31 rounds and more it measured no gain)
+# The cost model of a split (H200, 2026-11-29: docs/notes/sparse_mla_prefill.md, "The last round,
+# split"): a block takes BLOCK_US in a loaded round; the split costs PIECES_US[0] (the merge's launch
+# and wait) plus PIECES_US[1] a piece (its fp32 rows written, then read by the merge).
+BLOCK_US = 2.0
+PIECES_US = (5.0, 0.13)
+
+
+@functools.lru_cache(maxsize=1024)
+def tail_split(programs: int, sms: int, blocks: int) -> tuple[int, int]:
+    """(p_main, splits): programs p_main.. of the grid are split into `splits` pieces each (the
+    grid has p_main + (programs - p_main) * splits programs); splits = 1: none is. `blocks`: the
+    blocks of a full index list (cdiv(topk, BLOCK_N)). The split count is the one of the largest
+    predicted gain (blocks no longer walked by the last round, less the pieces' cost), if any."""
+    r = programs % sms
+    best, gain = 1, 0.0
+    if r and programs < MAX_ROUNDS * sms:
+        for s in range(2, min(sms // r, blocks // MIN_PIECE_BLOCKS) + 1):
+            g = (blocks - -(-blocks // s)) * BLOCK_US - (PIECES_US[0] + PIECES_US[1] * r * s)
+            if g > gain:
+                best, gain = s, g
+    return (programs - r, best) if best > 1 else (programs, 1)
+
+
+@triton.jit
+def merge_tail_kernel(
+    po_ptr, plse_ptr, pml_ptr, sink_ptr, out_ptr, lse_ptr, ml_ptr,
+    H, NUM_HB, P_MAIN, SPLITS, stride_ot, stride_oh,
+    HAS_SINK: tl.constexpr, HB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+    DV: tl.constexpr,
+):
+    """Program (k, c): heads c * BLOCK_H.. of split program P_MAIN + k (token, head block of HB
+    heads), from its SPLITS pieces (po [pieces, HB, DV] fp32, plse / pml [pieces, HB]), BLOCK_S
+    pieces a step (kernels.merge.merge_parts)."""
+    k = tl.program_id(0)
+    i_p = P_MAIN + k
+    i_t = (i_p // NUM_HB).to(tl.int64)
+    o_hl = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # heads within the program's block
+    o_h = (i_p % NUM_HB) * HB + o_hl
+    m_h = o_h < H
+    o_d = tl.arange(0, DV)
+    o_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    m_x = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        m_s = (o_s + s0) < SPLITS
+        o_row = (k * SPLITS + s0 + o_s).to(tl.int64)[:, None] * HB + o_hl[None, :]  # [BLOCK_S, BLOCK_H]
+        m_sh = m_s[:, None] & m_h[None, :]
+        b_lse = tl.load(plse_ptr + o_row, mask=m_sh, other=float("-inf"))
+        b_ml = tl.load(pml_ptr + o_row, mask=m_sh, other=float("-inf"))
+        b_out = tl.load(po_ptr + o_row[:, :, None] * DV + o_d[None, None, :], mask=m_sh[:, :, None], other=0.0)
+        acc, m_i, l_i = merge_parts(acc, m_i, l_i, b_out, b_lse)
+        m_x = tl.maximum(m_x, tl.max(b_ml, 0))
+    b_o, b_lse = merge_finish(acc, m_i, l_i)
+    if HAS_SINK:
+        b_o = b_o * sink_factor(sink_ptr, o_h, m_h, b_lse)[:, None]
+    tl.store(out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :],
+             b_o.to(out_ptr.dtype.element_ty), mask=m_h[:, None])
+    tl.store(lse_ptr + i_t * H + o_h, b_lse, mask=m_h)
+    # max_logits NaN where the merged lse is (a piece's fault), as the unsplit kernels report it
+    tl.store(ml_ptr + i_t * H + o_h, tl.where(b_lse != b_lse, b_lse, m_x), mask=m_h)
+
+
+def merge_tail(po: torch.Tensor, plse: torch.Tensor, pml: torch.Tensor, attn_sink, out: torch.Tensor,
+               lse: torch.Tensor, max_logits: torch.Tensor, p_main: int, splits: int, num_hb: int,
+               num_sms: int) -> None:
+    """Fold the pieces of programs p_main.. (po [pieces, HB, DV], plse / pml [pieces, HB], pieces =
+    programs split x splits, each program's pieces in a row) into out [T, H, DV] bf16, lse and
+    max_logits [T, H] (contiguous)."""
+    n_prog = po.shape[0] // splits
+    H, HB, DV = out.shape[1], po.shape[1], po.shape[2]
+    block_s, block_h, _ = parts_tile(n_prog, HB, DV, splits, num_sms)
+    merge_tail_kernel[(n_prog, triton.cdiv(HB, block_h))](
+        po, plse, pml, attn_sink if attn_sink is not None else plse, out, lse, max_logits,
+        H, num_hb, p_main, splits, out.stride(0), out.stride(1),
+        HAS_SINK=attn_sink is not None, HB=HB, BLOCK_S=block_s, BLOCK_H=block_h, DV=DV,
+    )
