@@ -5,6 +5,7 @@
     sm90.py     Gluon kernel for Hopper, 64-head blocks (d_qk 576 only, as sm90_kn.py)
     sm90_kn.py  Gluon kernel for Hopper, <= 32 heads: keys on the wgmma M, a producer warpgroup
     shared.py   the row finish (1/sum, lse, sink share) all three compile
+    tail.py     the split last round of sm90.py's short grids: the rule and the pieces' merge
 """
 from .op import sparse_mla_prefill
 

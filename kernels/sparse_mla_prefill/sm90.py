@@ -1,7 +1,9 @@
 """Hopper (sm_90) kernel of sparse_mla_prefill for 64-head blocks, warp-specialised, in Gluon.
 
 Same maths, arguments and outputs as `sparse_mla_prefill_kernel` (kernels/sparse_mla_prefill/op.py);
-a program owns one query token and 64 heads. Three partitions of one warpgroup each (the fp8
+a program owns one query token and 64 heads, or, in a short grid's split last round (tail.py), a
+piece of that token's index list whose fp32 rows, lse and max_logits go to a workspace for the
+merge. Three partitions of one warpgroup each (the fp8
 decode kernel's partition, kernels/sparse_mla_decode/sm90.py, with bf16 rows that need no
 conversion):
 - the producer (P_REGS registers; `_producer`, also the keys-on-M kernel's) gathers block i (64
