@@ -12,8 +12,8 @@ inf, makes the merged row NaN, out and lse.
 
 `merge_parts` is the one place this maths lives in Triton: `merge_attn_states_kernel` folds two
 parts with it (`merge_step`, one part at a time) and the split-KV reductions of
-`kernels.paged_attention` and `kernels.sparse_mla_decode` fold any number of parts, a chunk of
-them at a time.
+`kernels.paged_attention`, `kernels.sparse_mla_decode` and the prefill's split last round fold any
+number of parts, a chunk of them at a time (the last two through `fold_parts`).
 """
 from __future__ import annotations
 
@@ -67,6 +67,27 @@ def merge_parts(acc, m_i, l_i, b_out, b_lse):
     # An empty part's out may hold anything: select instead of multiplying by a zero weight.
     b_add = tl.sum(tl.where(m_empty[:, :, None], 0.0, w[:, :, None] * b_out), 0)
     return acc * alpha[:, None] + b_add, m_new, l_i * alpha + tl.sum(w, 0)
+
+
+@triton.jit
+def fold_parts(po_ptr, plse_ptr, row0, n_parts, row_len, o_h, m_h, BLOCK_S: tl.constexpr,
+               BLOCK_H: tl.constexpr, DV: tl.constexpr):
+    """The merge state (acc, m_i, l_i) of n_parts normalized partials: part p's lse of head h at
+    plse_ptr + (row0 + p) * row_len + h, its fp32 out row at DV times that offset of po_ptr;
+    heads o_h [BLOCK_H] where m_h, BLOCK_S parts a step (their loads issued together)."""
+    o_d = tl.arange(0, DV)
+    o_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    for s0 in range(0, n_parts, BLOCK_S):
+        m_sh = ((o_s + s0) < n_parts)[:, None] & m_h[None, :]
+        o_row = (row0 + (o_s + s0))[:, None] * row_len + o_h[None, :]  # [BLOCK_S, BLOCK_H]
+        b_lse = tl.load(plse_ptr + o_row, mask=m_sh, other=float("-inf"))
+        b_out = tl.load(po_ptr + o_row[:, :, None] * DV + o_d[None, None, :], mask=m_sh[:, :, None],
+                        other=0.0)
+        acc, m_i, l_i = merge_parts(acc, m_i, l_i, b_out, b_lse)
+    return acc, m_i, l_i
 
 
 @triton.jit

@@ -13,6 +13,8 @@ NaN for 1 / sum and for lse, and the merges (kernels/merge.py) keep a NaN part N
 max needs no care: on the GPU a max ignores NaN operands (maxnum), in the interpreter it
 propagates them; either way the sum is NaN. A fault in a value whose key scored finite (separate
 K and V) shows in the output accumulator instead; `row_faults` reads it from there.
+`sink_factor` is the attention sink's share of a finished row (the decode kernels' finish and the
+merges of split decodes and split prefills apply it).
 """
 from __future__ import annotations
 
@@ -46,3 +48,12 @@ def finish_rows(b_l, b_m):
     b_inv = tl.where(b_empty, 0.0, 1.0 / b_one)
     b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_one)) * _LN2)
     return b_inv, b_lse
+
+
+@triton.jit
+def sink_factor(sink_ptr, o_h, m_h, b_lse):
+    """exp(lse) / (exp(lse) + exp(sink)) per head; 0 for an empty row (lse = -inf), any sink;
+    NaN for a NaN lse."""
+    b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=0.0)
+    f = 1.0 / (1.0 + tl.exp(b_sink - tl.where(b_lse == float("-inf"), 0.0, b_lse)))
+    return tl.where(b_lse == float("-inf"), 0.0, f)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from openmla.kernels.softmax import finish_rows, keep_faults  # noqa: F401 (the decode kernels' finish)
+from openmla.kernels.softmax import finish_rows, keep_faults, sink_factor  # noqa: F401 (the decode kernels' finish)
 
 
 @triton.jit
@@ -41,15 +41,6 @@ def split_range(len_ptr, i_t, i_s, TOPK, CHUNK, n_splits, BLOCK_N: tl.constexpr,
         chunk = tl.minimum(CHUNK, (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
     k_lo = i_s * chunk
     return k_lo, tl.minimum(k_lo + chunk, n_len)
-
-
-@triton.jit
-def sink_factor(sink_ptr, o_h, m_h, b_lse):
-    """exp(lse) / (exp(lse) + exp(sink)) per head; 0 for an empty row (lse = -inf), any sink;
-    NaN for a NaN lse."""
-    b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=0.0)
-    f = 1.0 / (1.0 + tl.exp(b_sink - tl.where(b_lse == float("-inf"), 0.0, b_lse)))
-    return tl.where(b_lse == float("-inf"), 0.0, f)
 
 
 @triton.jit

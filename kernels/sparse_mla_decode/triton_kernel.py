@@ -20,7 +20,7 @@ import triton.language as tl
 
 from openmla.kernels.sparse_mla_decode.shared import (finish_rows, head_f16_factor, keep_faults, pow2_at_least,
                                                       sink_factor, softmax_step, split_range)
-from openmla.kernels.merge import merge_finish, merge_parts
+from openmla.kernels.merge import fold_parts, merge_finish
 from openmla.quant.e4m3 import e4m3_to_f16
 
 
@@ -222,23 +222,12 @@ def sparse_mla_decode_merge_kernel(
     INF_EMPTY: tl.constexpr,
 ):
     """Merge the NUM_SPLITS normalized partials (out_s, lse_s) of one token and head block,
-    BLOCK_S of them a step (their loads issued together: kernels.merge.merge_parts)."""
+    BLOCK_S of them a step (their loads issued together: kernels.merge.fold_parts)."""
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
     o_d = tl.arange(0, DV)
-    o_s = tl.arange(0, BLOCK_S)
-    acc = tl.zeros([BLOCK_H, DV], tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        m_s = (o_s + s0) < NUM_SPLITS
-        o_row = (i_t * NUM_SPLITS + (o_s + s0))[:, None] * H + o_h[None, :]  # [BLOCK_S, BLOCK_H]
-        m_sh = m_s[:, None] & m_h[None, :]
-        b_lse = tl.load(plse_ptr + o_row, mask=m_sh, other=float("-inf"))
-        b_out = tl.load(po_ptr + o_row[:, :, None] * DV + o_d[None, None, :], mask=m_sh[:, :, None],
-                        other=0.0)
-        acc, m_i, l_i = merge_parts(acc, m_i, l_i, b_out, b_lse)
+    acc, m_i, l_i = fold_parts(po_ptr, plse_ptr, i_t * NUM_SPLITS, NUM_SPLITS, H, o_h, m_h, BLOCK_S, BLOCK_H, DV)
     b_o, b_lse = merge_finish(acc, m_i, l_i)
     if HAS_SINK:
         b_o = b_o * sink_factor(sink_ptr, o_h, m_h, b_lse)[:, None]

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from openmla.kernels.merge import merge_finish, merge_parts, parts_tile
-from openmla.kernels.sparse_mla_decode.shared import sink_factor
+from openmla.kernels.merge import fold_parts, merge_finish, parts_tile
+from openmla.kernels.softmax import sink_factor
 
 MIN_PIECE_BLOCKS = 2  # blocks of 64 keys a piece walks at least
 MAX_ROUNDS = 3  # split only grids of fewer rounds (at 31 rounds and more it measured no gain)
@@ -60,7 +60,7 @@ def merge_tail_kernel(
 ):
     """Program (k, c): heads c * BLOCK_H.. of split program P_MAIN + k (token, head block of HB
     heads), from its SPLITS pieces (po [pieces, HB, DV] fp32, plse / pml [pieces, HB]), BLOCK_S
-    pieces a step (kernels.merge.merge_parts)."""
+    pieces a step (kernels.merge.fold_parts)."""
     k = tl.program_id(0)
     i_p = P_MAIN + k
     i_t = (i_p // NUM_HB).to(tl.int64)
@@ -68,20 +68,13 @@ def merge_tail_kernel(
     o_h = (i_p % NUM_HB) * HB + o_hl
     m_h = o_h < H
     o_d = tl.arange(0, DV)
+    acc, m_i, l_i = fold_parts(po_ptr, plse_ptr, k * SPLITS, SPLITS, HB, o_hl, m_h, BLOCK_S, BLOCK_H, DV)
     o_s = tl.arange(0, BLOCK_S)
-    acc = tl.zeros([BLOCK_H, DV], tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
     m_x = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s0 in range(0, SPLITS, BLOCK_S):
-        m_s = (o_s + s0) < SPLITS
-        o_row = (k * SPLITS + s0 + o_s).to(tl.int64)[:, None] * HB + o_hl[None, :]  # [BLOCK_S, BLOCK_H]
-        m_sh = m_s[:, None] & m_h[None, :]
-        b_lse = tl.load(plse_ptr + o_row, mask=m_sh, other=float("-inf"))
-        b_ml = tl.load(pml_ptr + o_row, mask=m_sh, other=float("-inf"))
-        b_out = tl.load(po_ptr + o_row[:, :, None] * DV + o_d[None, None, :], mask=m_sh[:, :, None], other=0.0)
-        acc, m_i, l_i = merge_parts(acc, m_i, l_i, b_out, b_lse)
-        m_x = tl.maximum(m_x, tl.max(b_ml, 0))
+    for s0 in range(0, SPLITS, BLOCK_S):  # max_logits: the pieces' largest
+        o_row = (k * SPLITS + (o_s + s0))[:, None] * HB + o_hl[None, :]
+        m_x = tl.maximum(m_x, tl.max(tl.load(pml_ptr + o_row, mask=((o_s + s0) < SPLITS)[:, None] & m_h[None, :],
+                                             other=float("-inf")), 0))
     b_o, b_lse = merge_finish(acc, m_i, l_i)
     if HAS_SINK:
         b_o = b_o * sink_factor(sink_ptr, o_h, m_h, b_lse)[:, None]
