@@ -42,8 +42,11 @@ def test_tail_split_fills_the_last_round_only():
         for blocks in (1, 2, 5, 32, 256):
             for programs in range(1, 4 * sms + 2):
                 p_main, splits = tail_split(programs, sms, blocks)
-                if splits == 1:
+                r = programs % sms
+                if splits == 1:  # not split: whole rounds, too many rounds, or no positive gain
                     assert p_main == programs
+                    if r and programs < tail.MAX_ROUNDS * sms:
+                        assert all(_gain(blocks, r * s, s) <= 0 for s in range(2, min(sms // r, blocks // 2) + 1))
                     continue
                 tail_n = programs - p_main
                 assert p_main % sms == 0 and 0 < tail_n < sms and programs < tail.MAX_ROUNDS * sms
