@@ -445,8 +445,7 @@ def _install_interpreter_speedups(tl, interp) -> None:
     # Integer +, - and * check for overflow by recomputing in int64 and handing the bounds test to
     # device_assert, which does nothing unless the options' debug is set; the interpreter's options
     # never set it (InterpreterOptions()), so the check built ~10 tensors per integer op only to
-    # drop them. Skipped while debug is off (the paged-attention fault tests and a decode-step
-    # layer test: 84 -> 62 s in one process, 2026-11-29).
+    # drop them. Skipped while debug is off.
     from triton.language.semantic import TritonSemantic
     orig_sanitize = _expect(TritonSemantic, "binary_op_sanitize_overflow_impl", ["self", "lhs", "rhs", "binary_op"])
     assert interp.InterpreterOptions().debug is False, "tests/conftest.py: the interpreter's debug default changed"

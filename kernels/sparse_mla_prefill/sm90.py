@@ -416,11 +416,11 @@ def _rows_desc(t, block_h):
 
 
 def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
-           d_lat, d_rope, kernel=None, block_h=BLOCK_H, split=None, **config):
+           d_lat, d_rope, kernel=None, block_h=BLOCK_H, **config):
     """Run the 64-head kernel (or `kernel`, a Gluon prefill kernel with the same leading arguments:
     the keys-on-M one passes itself, its head block and its `config`) on validated inputs into the
-    given outputs (T >= 1, H >= 1). The 64-head kernel's last round is split (tail.py; `split`:
-    (p_main, splits) instead of `tail_split`'s, for tests)."""
+    given outputs (T >= 1, H >= 1). The 64-head kernel's last round is split where `tail_split` says
+    (tail.py)."""
     T, H, _ = q.shape
     N, topk = kv.shape[0], indices.shape[1]
     num_hb = triton.cdiv(H, block_h)
@@ -430,7 +430,7 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
         # q in and the output out by TMA where they are [T * H, width] rows (else cp.async and
         # stores from registers)
         o_desc, q_desc = _rows_desc(out, block_h), _rows_desc(q, block_h)
-        p_main, splits = split or tail_split(grid, num_sms(q.device), triton.cdiv(topk, BLOCK_N))
+        p_main, splits = tail_split(grid, num_sms(q.device), triton.cdiv(topk, BLOCK_N))
         pieces = (grid - p_main) * splits
         ws_o = ws_lse = ws_ml = lse  # the pieces' rows, lse and max_logits (never touched without pieces)
         if pieces:

@@ -5,7 +5,7 @@ A 64-head prefill program (sm90.py) owns one token's head block and walks its wh
 program an SM. A grid of P programs on S SMs ends with a round of P mod S programs while the other
 SMs idle: a grid smaller than S (a short prefill: 16 tokens x 64 heads take 16 SMs) is all last
 round, and a grid of two or three rounds waits for its last one as long as for the others (over many
-rounds the programs' ends drift apart and the last round fills in: no gain measured at 31 rounds).
+rounds the programs' ends drift apart and the last round fills in).
 There each of the last r programs becomes `splits` pieces (at most S // r, each of at least
 MIN_PIECE_BLOCKS blocks of its list) where the cost model below predicts a gain; a piece writes its
 rows normalized over its own keys in fp32 with their lse and max_logits (no sink), and `merge_tail`
@@ -28,12 +28,21 @@ from openmla.kernels.merge import fold_parts, merge_finish, parts_tile
 from openmla.kernels.softmax import sink_factor
 
 MIN_PIECE_BLOCKS = 2  # blocks of 64 keys a piece walks at least
-MAX_ROUNDS = 3  # split only grids of fewer rounds (gains measured up to 2.3 rounds; none at 31, -1 % at 62)
-# The cost model of a split (H200, 2026-11-29: docs/notes/sparse_mla_prefill.md, "The last round,
-# split"): a block takes BLOCK_US in a loaded round; the split costs PIECES_US[0] (the merge's launch
-# and wait) plus PIECES_US[1] a piece (its fp32 rows written, then read by the merge).
+# Split only grids of fewer rounds: past them the programs' ends drift apart and the last round
+# fills in by itself (docs/notes/sparse_mla_prefill.md, "The last round, split").
+MAX_ROUNDS = 3
+# The cost model of a split, fitted to forced splits (same notes section): a block takes BLOCK_US
+# in a loaded round; a split costs PIECES_US[0] (the merge's launch and wait) plus PIECES_US[1] a
+# piece (its fp32 rows written, then read by the merge).
 BLOCK_US = 2.0
 PIECES_US = (5.0, 0.13)
+
+
+def predicted_gain(blocks: int, programs_split: int, splits: int) -> float:
+    """Microseconds the model expects a split of `programs_split` last-round programs into
+    `splits` pieces each to save: the blocks no longer walked by the round, less the pieces' cost."""
+    saved = blocks - -(-blocks // splits)
+    return saved * BLOCK_US - (PIECES_US[0] + PIECES_US[1] * programs_split * splits)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -41,12 +50,12 @@ def tail_split(programs: int, sms: int, blocks: int) -> tuple[int, int]:
     """(p_main, splits): programs p_main.. of the grid are split into `splits` pieces each (the
     grid has p_main + (programs - p_main) * splits programs); splits = 1: none is. `blocks`: the
     blocks of a full index list (cdiv(topk, BLOCK_N)). The split count is the one of the largest
-    predicted gain (blocks no longer walked by the last round, less the pieces' cost), if any."""
+    positive `predicted_gain`, if any."""
     r = programs % sms
     best, gain = 1, 0.0
     if r and programs < MAX_ROUNDS * sms:
         for s in range(2, min(sms // r, blocks // MIN_PIECE_BLOCKS) + 1):
-            g = (blocks - -(-blocks // s)) * BLOCK_US - (PIECES_US[0] + PIECES_US[1] * r * s)
+            g = predicted_gain(blocks, r, s)
             if g > gain:
                 best, gain = s, g
     return (programs - r, best) if best > 1 else (programs, 1)

@@ -8,10 +8,10 @@ raises, a Gluon kernel picked off sm_90, or a kernel of kernels/ or quant/ that 
 fails the test.
 
 The default run (CORE classes on five targets, DEFAULT_TARGETS: sm_80, sm_90, sm_100, sm_120,
-gfx942; EXTRA and SM90_EXTRA on sm_90, where they reach the Gluon kernels CORE does not) takes
-about 7 CPU-minutes (2026-11-29: sm_90 125 s, gfx942 105, sm_80 67, sm_100 60, sm_120 55 on an
-idle core) and runs the targets in parallel, one per core (tests/conftest.py hands this file out
-first under pytest-xdist, so the other worker runs the rest of the suite meanwhile). The full set
+gfx942; EXTRA and SM90_EXTRA on sm_90, where they reach the Gluon kernels CORE does not) is the
+suite's largest item (README, CI timing) and runs the targets in parallel, one per core
+(tests/conftest.py hands this file out first under pytest-xdist, so the other worker runs the rest
+of the suite meanwhile). The full set
 (every shape class and every autotune candidate on all eight targets) is marked aot_full and runs with
     OPENMLA_AOT_FULL=1 python -m pytest tests/kernels/test_aot_compile.py -m aot_full
 Only there since 2026-11-28: EXTRA on sm_80 (the Triton kernels and branches that sm_90's
@@ -36,7 +36,7 @@ TARGETS = list(ARCHES)
 # Targets whose dispatch choices another default target makes too, compiled in the full set only:
 # sm_86 and sm_89 (99 KB of shared memory like sm_120, e4m3 by bit arithmetic like sm_80 / by
 # PTX like sm_120; Ampere's code generation is sm_80's) and gfx950 (gfx942's AMD back end, with
-# sm_80-sized configs). Together a fifth of the default run's CPU time (2026-11-29).
+# sm_80-sized configs).
 FULL_ONLY = ("sm_86", "sm_89", "gfx950")
 DEFAULT_TARGETS = [a for a in TARGETS if a not in FULL_ONLY]
 FULL = os.environ.get("OPENMLA_AOT_FULL", "0") == "1"

@@ -11,7 +11,7 @@ import torch
 from openmla.kernels.reference import sparse_mla_ref
 from openmla.kernels.sparse_mla_prefill import sm90
 from openmla.kernels.sparse_mla_prefill import tail
-from openmla.kernels.sparse_mla_prefill.tail import MIN_PIECE_BLOCKS, merge_tail, tail_split
+from openmla.kernels.sparse_mla_prefill.tail import MIN_PIECE_BLOCKS, merge_tail, predicted_gain, tail_split
 from openmla.kernels.device import sm90_gluon
 from tests.helpers import DEVICE, GPU_ONLY, assert_close
 from tests.helpers.prefill import Case, build, check
@@ -33,10 +33,6 @@ def test_tail_split_examples(programs, sms, blocks, want):
     assert tail_split(programs, sms, blocks) == want
 
 
-def _gain(blocks, pieces, s):
-    return (blocks - -(-blocks // s)) * tail.BLOCK_US - (tail.PIECES_US[0] + tail.PIECES_US[1] * pieces)
-
-
 def test_tail_split_fills_the_last_round_only():
     for sms in (8, 78, 132):
         for blocks in (1, 2, 5, 32, 256):
@@ -46,14 +42,14 @@ def test_tail_split_fills_the_last_round_only():
                 if splits == 1:  # not split: whole rounds, too many rounds, or no positive gain
                     assert p_main == programs
                     if r and programs < tail.MAX_ROUNDS * sms:
-                        assert all(_gain(blocks, r * s, s) <= 0 for s in range(2, min(sms // r, blocks // 2) + 1))
+                        assert all(predicted_gain(blocks, r, s) <= 0 for s in range(2, min(sms // r, blocks // 2) + 1))
                     continue
                 tail_n = programs - p_main
                 assert p_main % sms == 0 and 0 < tail_n < sms and programs < tail.MAX_ROUNDS * sms
                 assert tail_n * splits <= sms and splits * MIN_PIECE_BLOCKS <= blocks
                 # the best predicted gain, and a positive one
-                gains = [_gain(blocks, tail_n * s, s) for s in range(2, min(sms // tail_n, blocks // 2) + 1)]
-                assert _gain(blocks, tail_n * splits, splits) == max(gains) > 0, (programs, sms, blocks)
+                gains = [predicted_gain(blocks, tail_n, s) for s in range(2, min(sms // tail_n, blocks // 2) + 1)]
+                assert predicted_gain(blocks, tail_n, splits) == max(gains) > 0, (programs, sms, blocks)
 
 
 def _piece_rows(q, kv, idx, lengths, scale, t, h0, hb, j, splits):
@@ -116,7 +112,8 @@ def test_merge_tail_matches_oracle(H, p_main, splits, request):
     assert bool((out[~d] == 7).all()) and bool((lse[~d] == 7).all()) and bool((ml[~d] == 7).all())
 
 
-@pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel is not built")
+@pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel, the only one that "
+                                             "splits, is not built (the op runs the unsplit Triton kernel)")
 def test_sm90_launch_splits_the_last_round(monkeypatch):
     """The launch (recorded: Gluon does not run in the interpreter) grows the grid by the pieces,
     hands the kernel the split and a workspace of a row block per piece, then merges; no split, no
@@ -150,7 +147,9 @@ def test_sm90_launch_splits_the_last_round(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------
 # On Hopper: the kernel's pieces and the merge against the oracle
-needs_sm90 = pytest.mark.skipif(not sm90_gluon(DEVICE), reason="the 64-head Gluon kernel runs on Hopper only")
+# (the rule, the merge and the launch are tested above on every device)
+needs_sm90 = pytest.mark.skipif(not sm90_gluon(DEVICE), reason="the 64-head Gluon kernel, the only one that splits, "
+                                                              "runs on Hopper only")
 
 FORCED = [  # (case, forced (p_main, splits) or None for the launch's own rule)
     pytest.param(Case(T=5, H=128, topk=2048, N=8000, invalid=0.2, lengths=True, sink=True), (0, 4),
