@@ -417,33 +417,29 @@ def _rows_desc(t, block_h):
 
 def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, log2e,
            d_lat, d_rope, kernel=None, block_h=BLOCK_H, **config):
-    """Run the 64-head kernel (or `kernel`, a Gluon prefill kernel with the same leading arguments:
-    the keys-on-M one passes itself, its head block and its `config`) on validated inputs into the
-    given outputs (T >= 1, H >= 1). The 64-head kernel's last round is split where `tail_split` says
-    (tail.py)."""
+    """Run the 64-head kernel (or `kernel`, a Gluon prefill kernel with the same leading and split
+    arguments: the keys-on-M one passes itself, its head block and its `config`) on validated
+    inputs into the given outputs (T >= 1, H >= 1). The grid's last round is split where
+    `tail_split` says (tail.py; both kernels walk 64-key blocks)."""
     T, H, _ = q.shape
     N, topk = kv.shape[0], indices.shape[1]
     num_hb = triton.cdiv(H, block_h)
     grid = T * num_hb
-    p_main, splits = grid, 1
+    p_main, splits = tail_split(grid, num_sms(q.device), triton.cdiv(topk, BLOCK_N))
+    pieces = (grid - p_main) * splits
+    ws_o = ws_lse = ws_ml = lse  # the pieces' rows, lse and max_logits (never touched without pieces)
+    if pieces:
+        ws_o = torch.empty((pieces, block_h, d_lat), dtype=torch.float32, device=q.device)
+        ws_lse, ws_ml = (torch.empty((pieces, block_h), dtype=torch.float32, device=q.device) for _ in range(2))
     if kernel is None:
         # q in and the output out by TMA where they are [T * H, width] rows (else cp.async and
         # stores from registers)
         o_desc, q_desc = _rows_desc(out, block_h), _rows_desc(q, block_h)
-        p_main, splits = tail_split(grid, num_sms(q.device), triton.cdiv(topk, BLOCK_N))
-        pieces = (grid - p_main) * splits
-        ws_o = ws_lse = ws_ml = lse  # the pieces' rows, lse and max_logits (never touched without pieces)
-        if pieces:
-            ws_o = torch.empty((pieces, block_h, d_lat), dtype=torch.float32, device=q.device)
-            ws_lse, ws_ml = (torch.empty((pieces, block_h), dtype=torch.float32, device=q.device) for _ in range(2))
-        grid = p_main + pieces
         kernel, config = sparse_mla_prefill_sm90_kernel, dict(BLOCK_N=BLOCK_N, DS=SCORE_COLS, TAU=TAU,
                                                               V_REGS=V_REGS, P_REGS=P_REGS, num_warps=NUM_WARPS,
-                                                              p_main=p_main, splits=splits, ws_o=ws_o,
-                                                              ws_lse=ws_lse, ws_ml=ws_ml,
                                                               o_desc=o_desc, TMA_OUT=o_desc is not None,
                                                               q_desc=q_desc, Q_TMA=q_desc is not None)
-    kernel[(grid,)](
+    kernel[(p_main + pieces,)](
         q, kv, indices,
         topk_length if topk_length is not None else indices,
         attn_sink if attn_sink is not None else lse,
@@ -453,7 +449,8 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
         scale, scale * log2e,
         HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
         OFF32=(N - 1) * kv.stride(0) + d_lat + d_rope < 2 ** 31,
-        D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, **config,
+        D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h,
+        p_main=p_main, splits=splits, ws_o=ws_o, ws_lse=ws_lse, ws_ml=ws_ml, **config,
     )
     if splits > 1:
         merge_tail(ws_o, ws_lse, ws_ml, attn_sink, out, lse, max_logits, p_main, splits, num_hb, num_sms(q.device))

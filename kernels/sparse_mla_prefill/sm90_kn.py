@@ -188,6 +188,15 @@ if _GLUON:
         s_ml.slice(4 + WG, 1, dim=0).store(m_ex[None, :])
 
     @gluon.jit
+    def _store_rows(s_oa, s_ob, w_a, w_b, p_o, m_o, D_LAT: gl.constexpr, GO: gl.constexpr):
+        # rows w_a O_a + w_b O_b of the block's heads (O^T of the two consumers in shared memory),
+        # 64 dims at a time, 16-byte stores along the dims, at p_o [HN, 64] (+ 64 c), rows m_o
+        for c in gl.static_range(D_LAT // 64):
+            b_o = (s_oa.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_a
+                   + s_ob.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_b)
+            gl.store(p_o + 64 * c, b_o.to(p_o.dtype.element_ty), mask=m_o[:, None])
+
+    @gluon.jit(do_not_specialize=["p_main", "splits"])  # one compile whatever the grid's split
     def sparse_mla_prefill_sm90_kn_kernel(
         q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, ml_ptr, lse_ptr,
         H, N, TOPK, NUM_HB,
@@ -196,6 +205,7 @@ if _GLUON:
         HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, OFF32: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         C_REGS: gl.constexpr, TAU: gl.constexpr, flag_ptr, FLAGS: gl.constexpr,
+        p_main, splits, ws_o, ws_lse, ws_ml,
     ):
         HN: gl.constexpr = BLOCK_H
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -207,10 +217,15 @@ if _GLUON:
         SHF: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         SHO: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1])
 
-        # one program per token and head block (NUM_HB = 1 while H <= 32)
+        # one program per token and head block (NUM_HB = 1 while H <= 32); programs from p_main on
+        # are pieces of the split programs p_main.. (tail.py), `splits` of each in a row
         i_p = gl.program_id(0)
-        i_t = (i_p // NUM_HB).to(gl.int64)
-        i_hb = i_p % NUM_HB
+        i_w = i_p - p_main  # >= 0: a piece, its workspace row
+        i_q = i_p
+        if i_w >= 0:
+            i_q = p_main + i_w // splits
+        i_t = (i_q // NUM_HB).to(gl.int64)
+        i_hb = i_q % NUM_HB
         o_hq = i_hb * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, GQ))
         p_q = q_ptr + i_t * stride_qt + o_hq[:, None] * stride_qh
         o_lq = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GQ))
@@ -233,6 +248,13 @@ if _GLUON:
             n_use = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
         n_blk = gl.cdiv(n_use, BLOCK_N)
         p_idx = idx_ptr + i_t * stride_it
+        if i_w >= 0:  # piece j: blocks [lo, hi) of the list
+            j = i_w % splits
+            lo = j * n_blk // splits
+            hi = (j + 1) * n_blk // splits
+            p_idx += lo * BLOCK_N
+            n_use = gl.minimum(n_use - lo * BLOCK_N, (hi - lo) * BLOCK_N)
+            n_blk = hi - lo
         full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):
@@ -262,29 +284,35 @@ if _GLUON:
         l_i = l_a * f_a + l_b * f_b
         o_h = i_hb * HN + gl.arange(0, HN, layout=COL_S)
         m_h = o_h < H
-        inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h, HAS_SINK)
+        # a piece (i_w >= 0) leaves the sink to the merge: its sink load is masked off (factor 1)
+        inv, lse = _finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h & (i_w < 0), HAS_SINK)
         if FLAGS:  # a faulty key the token attends, or a faulty q of a head with a key: NaN rows
             t_tok = gl.load(flag_ptr + i_t)  # token_faults: 0 no key, 1 clean keys, 2 a faulty key
             q_bad = gl.max(s_ml.slice(6, 1, dim=0).load(S_L), 0)
             bad = (t_tok == 2) | ((t_tok == 1) & (q_bad > 0.5))
             inv = gl.where(bad, float("nan"), inv)
             lse = gl.where(bad, float("nan"), lse)
-        # out = inv * (f_a O_a + f_b O_b), 64 dims at a time, 16-byte stores along the dims
+        # out = inv * (f_a O_a + f_b O_b) (_store_rows)
         GO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         COL_O: gl.constexpr = gl.SliceLayout(1, GO)
         w_a = gl.convert_layout(f_a * inv, COL_O)[:, None]
         w_b = gl.convert_layout(f_b * inv, COL_O)[:, None]
-        o_ho = i_hb * HN + gl.arange(0, HN, layout=COL_O)
-        o_do = gl.arange(0, 64, layout=gl.SliceLayout(0, GO))
-        p_o = out_ptr + i_t * stride_ot + o_ho[:, None] * stride_oh + o_do[None, :]
         s_oa = s_kl.index(0)._reinterpret(gl.float32, [D_LAT, HN], SHO)
         s_ob = s_kl.index(1)._reinterpret(gl.float32, [D_LAT, HN], SHO)
-        for c in gl.static_range(D_LAT // 64):
-            b_o = (s_oa.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_a
-                   + s_ob.slice(64 * c, 64, dim=0).permute((1, 0)).load(GO) * w_b)
-            gl.store(p_o + 64 * c, b_o.to(out_ptr.dtype.element_ty), mask=(o_ho < H)[:, None])
-        gl.store(ml_ptr + i_t * H + o_h, _max_logits(m_x, lse, scale), mask=m_h)
-        gl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
+        o_hl = gl.arange(0, HN, layout=COL_O)
+        o_do = gl.arange(0, 64, layout=gl.SliceLayout(0, GO))
+        if i_w >= 0:  # a piece: fp32 rows of every head of the block into workspace row i_w
+            _store_rows(s_oa, s_ob, w_a, w_b, ws_o + i_w.to(gl.int64) * (HN * D_LAT) + o_hl[:, None] * D_LAT
+                        + o_do[None, :], o_hl < HN, D_LAT, GO)
+            o_hw = i_w * HN + gl.arange(0, HN, layout=COL_S)
+            gl.store(ws_ml + o_hw, _max_logits(m_x, lse, scale))
+            gl.store(ws_lse + o_hw, lse)
+        else:
+            o_ho = i_hb * HN + o_hl
+            _store_rows(s_oa, s_ob, w_a, w_b, out_ptr + i_t * stride_ot + o_ho[:, None] * stride_oh + o_do[None, :],
+                        o_ho < H, D_LAT, GO)
+            gl.store(ml_ptr + i_t * H + o_h, _max_logits(m_x, lse, scale), mask=m_h)
+            gl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
 
 
 def kv_row_faults(kv: torch.Tensor) -> torch.Tensor:

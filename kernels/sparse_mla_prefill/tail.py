@@ -1,15 +1,16 @@
 """The last round of a prefill grid, split: which programs are split (`tail_split`) and the merge of
 their pieces (`merge_tail`).
 
-A 64-head prefill program (sm90.py) owns one token's head block and walks its whole index list, one
-program an SM. A grid of P programs on S SMs ends with a round of P mod S programs while the other
-SMs idle: a grid smaller than S (a short prefill: 16 tokens x 64 heads take 16 SMs) is all last
-round, and a grid of two or three rounds waits for its last one as long as for the others (over many
-rounds the programs' ends drift apart and the last round fills in).
-There each of the last r programs becomes `splits` pieces (at most S // r, each of at least
-MIN_PIECE_BLOCKS blocks of its list) where the cost model below predicts a gain; a piece writes its
-rows normalized over its own keys in fp32 with their lse and max_logits (no sink), and `merge_tail`
-folds the pieces of a program into out, lse and max_logits (sink applied there).
+A program of the Gluon prefill kernels (sm90.py: 64 heads; sm90_kn.py: 16 or 32 heads, keys on M)
+owns one token's head block and walks its whole index list in 64-key blocks, one program an SM. A
+grid of P programs on S SMs ends with a round of P mod S programs while the other SMs idle: a grid
+smaller than S (a short prefill: 16 tokens x 64 heads take 16 SMs) is all last round, and a grid of
+two or three rounds waits for its last one as long as for the others (over many rounds the programs'
+ends drift apart and the last round fills in). There each of the last r programs becomes `splits`
+pieces (at most S // r, each of at least MIN_PIECE_BLOCKS blocks of its list) where the cost model
+below predicts a gain; a piece writes its rows normalized over its own keys in fp32 with their lse
+and max_logits (no sink), and `merge_tail` folds the pieces of a program into out, lse and
+max_logits (sink applied there).
 
 Piece j of `splits` owns blocks [j * n_blk // splits, (j + 1) * n_blk // splits) of its token's
 n_blk = cdiv(min(topk_length, topk), BLOCK_N) blocks: every piece gets n_blk // splits or one more

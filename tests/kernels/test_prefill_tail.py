@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openmla.kernels.reference import sparse_mla_ref
-from openmla.kernels.sparse_mla_prefill import sm90
+from openmla.kernels.sparse_mla_prefill import sm90, sm90_kn
 from openmla.kernels.sparse_mla_prefill import tail
 from openmla.kernels.sparse_mla_prefill.tail import MIN_PIECE_BLOCKS, merge_tail, predicted_gain, tail_split
 from openmla.kernels.device import sm90_gluon
@@ -145,6 +145,37 @@ def test_sm90_launch_splits_the_last_round(monkeypatch):
             assert not merged
 
 
+@pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the keys-on-M sm_90 kernel is not built "
+                                                "(the op runs the unsplit Triton kernel)")
+@pytest.mark.parametrize("H,T,want,flags", [(16, 3, (0, 2), False), (32, 3, (0, 2), False), (32, 11, (8, 2), True),
+                                            (16, 8, (8, 1), False)])
+def test_sm90_kn_launch_splits_the_last_round(H, T, want, flags, monkeypatch):
+    """The keys-on-M kernel (H <= 32) takes the same split: grid, workspace of its 16- or 32-head
+    blocks, the merge; with the fault passes' token states (flags) or without. (num_sms: 8 here.)"""
+    seen, merged = [], []
+
+    class _Record:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(dict(grid=grid, **kw))
+
+    monkeypatch.setattr(sm90_kn, "sparse_mla_prefill_sm90_kn_kernel", _Record())
+    monkeypatch.setattr(sm90, "merge_tail", lambda *args: merged.append(args))
+    topk, hb = 2048, sm90_kn.block_h(H)
+    q, kv = torch.randn(T, H, 576).bfloat16(), torch.randn(2000 if flags else 100000, 576).bfloat16()
+    idx = torch.randint(0, kv.shape[0], (T, topk), dtype=torch.int32)
+    out, ml, lse = torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H), torch.empty(T, H)
+    sm90_kn.launch(q, kv, idx, None, None, out, ml, lse, 0.1, 1.4426950408889634, 512, 64)
+    p_main, splits = want
+    pieces = (T - p_main) * splits if splits > 1 else 0
+    k = seen[0]
+    assert k["grid"] == (p_main + pieces,) and (k["p_main"], k["splits"]) == want and k["FLAGS"] is flags
+    if pieces:
+        assert k["ws_o"].shape == (pieces, hb, 512) and k["ws_lse"].shape == (pieces, hb)
+        assert len(merged) == 1 and merged[0][0] is k["ws_o"] and merged[0][7:10] == (p_main, splits, 1)
+    else:
+        assert not merged
+
+
 # ------------------------------------------------------------------------------------------------
 # On Hopper: the kernel's pieces and the merge against the oracle
 # (the rule, the merge and the launch are tested above on every device)
@@ -162,6 +193,12 @@ FORCED = [  # (case, forced (p_main, splits) or None for the launch's own rule)
     pytest.param(Case(T=6, H=64, topk=700, N=3000, sink=True, d_qk=512), (4, 6), id="T6-H64-d512-tail-6-sink"),
     pytest.param(Case(T=140, H=64, topk=2048, N=32768, invalid=0.1), None, id="T140-H64-rule"),
     pytest.param(Case(T=3, H=64, topk=2048, N=32768, sink=True), None, id="T3-H64-rule"),
+    # the keys-on-M kernel (H <= 32; its fault passes: test_sm90_kn_split_fault_passes)
+    pytest.param(Case(T=4, H=16, topk=1000, N=30000, invalid=0.2, lengths=True, sink=True), (1, 5),
+                 id="T4-H16-tail-5-len-sink-invalid"),
+    pytest.param(Case(T=3, H=5, topk=700, N=3000, sink=True), (0, 6), id="T3-H5-all-6-sink"),
+    pytest.param(Case(T=6, H=24, topk=800, N=3000, lengths=True), (3, 40), id="T6-H24-more-pieces-than-blocks"),
+    pytest.param(Case(T=2, H=32, topk=2048, N=32768, sink=True), None, id="T2-H32-rule"),
 ]
 
 
@@ -179,3 +216,31 @@ def test_sm90_split_matches_oracle(case, split, request, monkeypatch):
     monkeypatch.setattr(sm90, "tail_split", _split)
     check(case, request)
     assert calls and calls[0][1] > 1, calls  # the case was split
+
+
+@GPU_ONLY
+@needs_sm90
+def test_sm90_kn_split_fault_passes(request, monkeypatch):
+    """The keys-on-M kernel at 32 heads with the fault passes (T * topk >= FLAG_RATIO * N): pieces
+    take their token's state, so a NaN row one split token selects, and a NaN in one head of
+    another split token's q, make those rows NaN through the merge, and only those."""
+    c = Case(T=5, H=32, topk=2048, N=1200, invalid=0.1, sink=True)
+    assert c.T * c.topk >= sm90_kn.FLAG_RATIO * c.N
+    a = build(c, zlib.crc32(request.node.name.encode()))
+    idx, kv, q = a["indices"].clone(), a["kv"].clone(), a["q"].clone()
+    bad_row = c.N - 1
+    idx[idx == bad_row] = 0  # only token 3 selects the NaN row
+    idx[3, 7] = bad_row
+    kv[bad_row] = float("nan")
+    q[2, 5, 100] = float("nan")  # token 2, head 5
+    a.update(indices=idx, kv=kv, q=q)
+    calls = []
+    monkeypatch.setattr(sm90, "tail_split", lambda *args: calls.append((2, 4)) or calls[-1])
+    out, _, lse = check(c, request, a)
+    assert calls
+    nan_rows = lse.isnan().cpu()
+    want = torch.zeros(c.T, c.H, dtype=torch.bool)
+    want[3] = True
+    want[2, 5] = True
+    assert torch.equal(nan_rows, want), nan_rows.nonzero()
+    assert bool(out[3].isnan().all()) and bool(out[2, 5].isnan().all())

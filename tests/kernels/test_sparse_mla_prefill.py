@@ -227,7 +227,7 @@ def test_sm90_kn_kernel_compiles(block_h, flags):
         dict(HAS_LEN=True, HAS_SINK=True, OFF32=True, D_LAT=512, D_ROPE=64, BLOCK_H=block_h,
              BLOCK_N=sm90_kn.BLOCK_N, C_REGS=sm90_kn.C_REGS, TAU=sm90_kn.TAU, FLAGS=flags),
         ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "*fp32"], sm90_kn.NUM_WARPS,
-        named_ptrs=dict(flag_ptr="*u8"))
+        named_ptrs=dict(flag_ptr="*u8", ws_o="*fp32", ws_lse="*fp32", ws_ml="*fp32"))
     assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= 128, got
     assert got["hgmma"] == 2 * (4 + 32 + 32), got
     assert got["ldgsts128"] == 32 + 4, got
