@@ -288,10 +288,13 @@ register(Op(
                     dict(tokens=4096, heads=128, topk=2048, kv_rows=32768),
                     dict(tokens=8192, heads=128, topk=2048, kv_rows=131072),
                     dict(tokens=4096, heads=128, topk=512, kv_rows=32768)],
-        # short prefills, one to three rounds of 64-head programs: where the last round is split
+        # short prefills, one to three rounds of programs: where the last round is split (64-head
+        # and keys-on-M programs)
         "short": [dict(tokens=t, heads=h, topk=k, kv_rows=32768)
                   for h, t, k in ((64, 1, 2048), (64, 16, 2048), (64, 64, 2048), (64, 133, 2048), (64, 300, 2048),
-                                  (128, 8, 2048), (128, 140, 2048), (64, 1, 512), (64, 64, 512))],
+                                  (128, 8, 2048), (128, 140, 2048), (64, 1, 512), (64, 64, 512),
+                                  (16, 1, 2048), (16, 16, 2048), (16, 64, 2048), (16, 133, 2048), (32, 1, 2048),
+                                  (32, 16, 2048), (32, 64, 2048), (16, 16, 512))],
         "small": [dict(tokens=8, heads=16, topk=128, kv_rows=1024)],
     },
     build=_prefill_build, run=_prefill_run, torch_ref=_prefill_torch, error=_prefill_error,

@@ -425,7 +425,7 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
     N, topk = kv.shape[0], indices.shape[1]
     num_hb = triton.cdiv(H, block_h)
     grid = T * num_hb
-    p_main, splits = tail_split(grid, num_sms(q.device), triton.cdiv(topk, BLOCK_N))
+    p_main, splits = tail_split(grid, num_sms(q.device), triton.cdiv(topk, BLOCK_N), block_h)
     pieces = (grid - p_main) * splits
     ws_o = ws_lse = ws_ml = lse  # the pieces' rows, lse and max_logits (never touched without pieces)
     if pieces:

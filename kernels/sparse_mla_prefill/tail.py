@@ -32,31 +32,34 @@ MIN_PIECE_BLOCKS = 2  # blocks of 64 keys a piece walks at least
 # Split only grids of fewer rounds: past them the programs' ends drift apart and the last round
 # fills in by itself (docs/notes/sparse_mla_prefill.md, "The last round, split").
 MAX_ROUNDS = 3
-# The cost model of a split, fitted to forced splits (same notes section): a block takes BLOCK_US
-# in a loaded round; a split costs PIECES_US[0] (the merge's launch and wait) plus PIECES_US[1] a
-# piece (its fp32 rows written, then read by the merge).
-BLOCK_US = 2.0
+# The cost model of a split, fitted to forced splits (same notes section): a block of a program of
+# block_h heads takes BLOCK_US[block_h] in a loaded round; a split costs PIECES_US[0] (the merge's
+# launch and wait) plus PIECES_US[1] a piece per 64 heads of its block (its fp32 rows written, then
+# read by the merge).
+BLOCK_US = {64: 2.0, 32: 2.0, 16: 1.4}
 PIECES_US = (5.0, 0.13)
 
 
-def predicted_gain(blocks: int, programs_split: int, splits: int) -> float:
-    """Microseconds the model expects a split of `programs_split` last-round programs into
-    `splits` pieces each to save: the blocks no longer walked by the round, less the pieces' cost."""
+def predicted_gain(blocks: int, programs_split: int, splits: int, block_h: int = 64) -> float:
+    """Microseconds the model expects a split of `programs_split` last-round programs of block_h
+    heads into `splits` pieces each to save: the blocks no longer walked by the round, less the
+    pieces' cost."""
     saved = blocks - -(-blocks // splits)
-    return saved * BLOCK_US - (PIECES_US[0] + PIECES_US[1] * programs_split * splits)
+    return saved * BLOCK_US[block_h] - (PIECES_US[0] + PIECES_US[1] * block_h / 64 * programs_split * splits)
 
 
 @functools.lru_cache(maxsize=1024)
-def tail_split(programs: int, sms: int, blocks: int) -> tuple[int, int]:
+def tail_split(programs: int, sms: int, blocks: int, block_h: int = 64) -> tuple[int, int]:
     """(p_main, splits): programs p_main.. of the grid are split into `splits` pieces each (the
     grid has p_main + (programs - p_main) * splits programs); splits = 1: none is. `blocks`: the
-    blocks of a full index list (cdiv(topk, BLOCK_N)). The split count is the one of the largest
-    positive `predicted_gain`, if any."""
+    blocks of a full index list (cdiv(topk, BLOCK_N)); block_h: the programs' head block (64, or
+    16 / 32 for the keys-on-M kernel). The split count is the one of the largest positive
+    `predicted_gain`, if any."""
     r = programs % sms
     best, gain = 1, 0.0
     if r and programs < MAX_ROUNDS * sms:
         for s in range(2, min(sms // r, blocks // MIN_PIECE_BLOCKS) + 1):
-            g = predicted_gain(blocks, r, s)
+            g = predicted_gain(blocks, r, s, block_h)
             if g > gain:
                 best, gain = s, g
     return (programs - r, best) if best > 1 else (programs, 1)

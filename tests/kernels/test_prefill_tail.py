@@ -19,37 +19,45 @@ from tests.helpers.prefill import Case, build, check
 BLOCK_N = 64  # the 64-head kernel's key block: the pieces' unit
 
 
-@pytest.mark.parametrize("programs,sms,blocks,want", [
-    (1, 132, 32, (0, 16)),  # one token x 64 heads: 16 pieces of 2 blocks
-    (64, 132, 32, (0, 2)),
-    (64, 132, 8, (64, 1)),  # 4 blocks saved a program do not pay for 128 pieces
-    (133, 132, 32, (132, 16)),
-    (4096, 132, 32, (4096, 1)),  # 31 rounds and more: never split
-    (132, 132, 32, (132, 1)),  # whole rounds: nothing to fill
-    (100, 132, 32, (100, 1)),  # 32 idle SMs: fewer than one piece a program
-    (16, 132, 3, (16, 1)),  # 3 blocks: no two pieces of MIN_PIECE_BLOCKS
+@pytest.mark.parametrize("programs,sms,blocks,block_h,want", [
+    (1, 132, 32, 64, (0, 16)),  # one token x 64 heads: 16 pieces of 2 blocks
+    (64, 132, 32, 64, (0, 2)),
+    (64, 132, 8, 64, (64, 1)),  # 4 blocks saved a program do not pay for 128 pieces
+    (133, 132, 32, 64, (132, 16)),
+    (4096, 132, 32, 64, (4096, 1)),  # 31 rounds and more: never split
+    (132, 132, 32, 64, (132, 1)),  # whole rounds: nothing to fill
+    (100, 132, 32, 64, (100, 1)),  # 32 idle SMs: fewer than one piece a program
+    (16, 132, 3, 64, (16, 1)),  # 3 blocks: no two pieces of MIN_PIECE_BLOCKS
+    # keys-on-M programs (16 / 32 heads): smaller pieces, so more of them pay
+    (16, 132, 32, 16, (0, 8)),
+    (16, 132, 32, 32, (0, 8)),
+    (16, 132, 32, 64, (0, 4)),
+    (64, 132, 16, 32, (0, 2)),
+    (64, 132, 8, 16, (64, 1)),
 ])
-def test_tail_split_examples(programs, sms, blocks, want):
-    assert tail_split(programs, sms, blocks) == want
+def test_tail_split_examples(programs, sms, blocks, block_h, want):
+    assert tail_split(programs, sms, blocks, block_h) == want
 
 
-def test_tail_split_fills_the_last_round_only():
+@pytest.mark.parametrize("block_h", [16, 32, 64])
+def test_tail_split_fills_the_last_round_only(block_h):
+    gain = lambda b, n, s: predicted_gain(b, n, s, block_h)  # noqa: E731
     for sms in (8, 78, 132):
         for blocks in (1, 2, 5, 32, 256):
             for programs in range(1, 4 * sms + 2):
-                p_main, splits = tail_split(programs, sms, blocks)
+                p_main, splits = tail_split(programs, sms, blocks, block_h)
                 r = programs % sms
                 if splits == 1:  # not split: whole rounds, too many rounds, or no positive gain
                     assert p_main == programs
                     if r and programs < tail.MAX_ROUNDS * sms:
-                        assert all(predicted_gain(blocks, r, s) <= 0 for s in range(2, min(sms // r, blocks // 2) + 1))
+                        assert all(gain(blocks, r, s) <= 0 for s in range(2, min(sms // r, blocks // 2) + 1))
                     continue
                 tail_n = programs - p_main
                 assert p_main % sms == 0 and 0 < tail_n < sms and programs < tail.MAX_ROUNDS * sms
                 assert tail_n * splits <= sms and splits * MIN_PIECE_BLOCKS <= blocks
                 # the best predicted gain, and a positive one
-                gains = [predicted_gain(blocks, tail_n, s) for s in range(2, min(sms // tail_n, blocks // 2) + 1)]
-                assert predicted_gain(blocks, tail_n, splits) == max(gains) > 0, (programs, sms, blocks)
+                gains = [gain(blocks, tail_n, s) for s in range(2, min(sms // tail_n, blocks // 2) + 1)]
+                assert gain(blocks, tail_n, splits) == max(gains) > 0, (programs, sms, blocks)
 
 
 def _piece_rows(q, kv, idx, lengths, scale, t, h0, hb, j, splits):
@@ -160,6 +168,11 @@ def test_sm90_kn_launch_splits_the_last_round(H, T, want, flags, monkeypatch):
 
     monkeypatch.setattr(sm90_kn, "sparse_mla_prefill_sm90_kn_kernel", _Record())
     monkeypatch.setattr(sm90, "merge_tail", lambda *args: merged.append(args))
+    # the fault passes are Triton kernels (the CPU tensors here run only in the interpreter); their
+    # token states only travel to the kernel
+    tok = torch.zeros(T, dtype=torch.uint8)
+    monkeypatch.setattr(sm90_kn, "token_faults", lambda *args: tok)
+    monkeypatch.setattr(sm90_kn, "kv_row_faults", lambda kv: None)
     topk, hb = 2048, sm90_kn.block_h(H)
     q, kv = torch.randn(T, H, 576).bfloat16(), torch.randn(2000 if flags else 100000, 576).bfloat16()
     idx = torch.randint(0, kv.shape[0], (T, topk), dtype=torch.int32)
@@ -169,6 +182,7 @@ def test_sm90_kn_launch_splits_the_last_round(H, T, want, flags, monkeypatch):
     pieces = (T - p_main) * splits if splits > 1 else 0
     k = seen[0]
     assert k["grid"] == (p_main + pieces,) and (k["p_main"], k["splits"]) == want and k["FLAGS"] is flags
+    assert (k["flag_ptr"] is tok) is flags
     if pieces:
         assert k["ws_o"].shape == (pieces, hb, 512) and k["ws_lse"].shape == (pieces, hb)
         assert len(merged) == 1 and merged[0][0] is k["ws_o"] and merged[0][7:10] == (p_main, splits, 1)
@@ -209,8 +223,8 @@ def test_sm90_split_matches_oracle(case, split, request, monkeypatch):
     calls = []
     rule = sm90.tail_split
 
-    def _split(programs, sms, blocks):
-        calls.append(rule(programs, sms, blocks) if split is None else split)
+    def _split(programs, sms, blocks, block_h):
+        calls.append(rule(programs, sms, blocks, block_h) if split is None else split)
         return calls[-1]
 
     monkeypatch.setattr(sm90, "tail_split", _split)
