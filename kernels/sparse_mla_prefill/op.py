@@ -51,7 +51,8 @@ from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
 from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
-from openmla.kernels.device import arch_of
+from openmla.kernels.sparse_mla_prefill.tail import PIECE_N, merge_tail, tail_split, tail_workspace
+from openmla.kernels.device import arch_of, num_sms
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
 from openmla.quant.mla_formats import BF16_MLA
 
@@ -73,6 +74,16 @@ def _block_h(H: int, arch, d_qk: int = D_QK) -> int:
            and _smem_estimate(block_h, 32, 2, True, arch, d_qk) > arch.smem_bytes - _SMEM_SLACK):
         block_h //= 2
     return block_h
+
+
+def _programs_per_sm(block_h: int, arch, d_qk: int) -> int:
+    """Programs of the default config an SM runs at once (the split's slots are SMs x this): one of
+    64 heads (its accumulator takes the registers), else as many as shared memory holds of the
+    default config (prefetched 32-row blocks, 3 stages), at most two (4 warps of up to 255
+    registers)."""
+    if block_h >= 64:
+        return 1
+    return max(1, min(2, arch.smem_bytes // _smem_estimate(block_h, 32, 3, True, arch, d_qk)))
 
 
 def _bucket(x: int, lo: int, hi: int) -> int:
@@ -163,22 +174,28 @@ _SPACE = ConfigSpace("sparse_mla_prefill_kernel", tuple(sorted(_CONFIGS, key=_de
 
 
 @_SPACE.autotune()
-@triton.jit(do_not_specialize=["H", "N", "TOPK", "NUM_HB", "H_BUCKET", "TOPK_BUCKET"])
+@triton.jit(do_not_specialize=["H", "N", "TOPK", "NUM_HB", "H_BUCKET", "TOPK_BUCKET", "P_MAIN", "SPLITS"])
 def sparse_mla_prefill_kernel(
     q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, ml_ptr, lse_ptr,
     H, N, TOPK, NUM_HB,
     stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
     scale, scale_log2,
     H_BUCKET, TOPK_BUCKET,
+    ws_o_ptr, ws_lse_ptr, ws_ml_ptr, P_MAIN, SPLITS,
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, OFF32: tl.constexpr,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PIECE_N: tl.constexpr,
 ):
     HALF: tl.constexpr = D_LAT // 2
-    # The head blocks of one token are neighbouring programs: they gather the same rows.
+    # The head blocks of one token are neighbouring programs: they gather the same rows. Programs
+    # from P_MAIN on are pieces of the split programs P_MAIN.. (tail.py), SPLITS of each in a row.
     i_p = tl.program_id(0)
-    i_t = (i_p // NUM_HB).to(tl.int64)
-    i_hb = i_p % NUM_HB
+    i_w = i_p - P_MAIN  # >= 0: a piece, its workspace row
+    i_q = i_p
+    if i_w >= 0:
+        i_q = P_MAIN + i_w // SPLITS
+    i_t = (i_q // NUM_HB).to(tl.int64)
+    i_hb = i_q % NUM_HB
 
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
@@ -195,13 +212,20 @@ def sparse_mla_prefill_kernel(
     n_use = TOPK
     if HAS_LEN:
         n_use = tl.minimum(tl.maximum(tl.load(len_ptr + i_t), 0), TOPK)
+    p_idx = idx_ptr + i_t * stride_it
+    if i_w >= 0:  # piece j: units [lo, hi) of PIECE_N keys of the list
+        n_unit = tl.cdiv(n_use, PIECE_N)
+        j = i_w % SPLITS
+        lo = j * n_unit // SPLITS
+        hi = (j + 1) * n_unit // SPLITS
+        p_idx += lo * PIECE_N
+        n_use = tl.minimum(n_use - lo * PIECE_N, (hi - lo) * PIECE_N)
 
     # m_i is the running max of the raw q.k (scale > 0), so max_logits = scale * m_i exactly.
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc_a = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc_b = tl.zeros([BLOCK_H, HALF], tl.float32)
-    p_idx = idx_ptr + i_t * stride_it
     o_nn = tl.arange(0, BLOCK_N)
     if PREFETCH:
         b_idx_nx = tl.load(p_idx + o_nn, mask=o_nn < n_use, other=-1)
@@ -247,13 +271,22 @@ def sparse_mla_prefill_kernel(
         acc_b = tl.dot(b_pv, b_kb, acc_b * alpha[:, None])
         m_i = m_new
 
-    inv, lse = finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h, HAS_SINK)
+    # a piece (i_w >= 0) leaves the sink to the merge: its sink load is masked off (factor 1)
+    inv, lse = finish_rows(l_i, m_i, scale, sink_ptr, o_h, m_h & (i_w < 0), HAS_SINK)
 
-    p_o = out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh
-    tl.store(p_o + o_a[None, :], (acc_a * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m_h[:, None])
-    tl.store(p_o + o_b[None, :], (acc_b * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m_h[:, None])
-    tl.store(ml_ptr + i_t * H + o_h, max_logits(m_i, lse, scale), mask=m_h)
-    tl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
+    if i_w >= 0:  # a piece: fp32 rows of every head of the block, lse and max_logits into row i_w
+        o_hw = i_w * BLOCK_H + tl.arange(0, BLOCK_H)
+        p_w = ws_o_ptr + o_hw.to(tl.int64)[:, None] * D_LAT
+        tl.store(p_w + o_a[None, :], acc_a * inv[:, None])
+        tl.store(p_w + o_b[None, :], acc_b * inv[:, None])
+        tl.store(ws_ml_ptr + o_hw, max_logits(m_i, lse, scale))
+        tl.store(ws_lse_ptr + o_hw, lse)
+    else:
+        p_o = out_ptr + i_t * stride_ot + o_h[:, None] * stride_oh
+        tl.store(p_o + o_a[None, :], (acc_a * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m_h[:, None])
+        tl.store(p_o + o_b[None, :], (acc_b * inv[:, None]).to(out_ptr.dtype.element_ty), mask=m_h[:, None])
+        tl.store(ml_ptr + i_t * H + o_h, max_logits(m_i, lse, scale), mask=m_h)
+        tl.store(lse_ptr + i_t * H + o_h, lse, mask=m_h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,21 +307,29 @@ def _launch(q, kv, indices, scale, topk_length, attn_sink, out):
         sm90.launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, _LOG2E,
                     D_LAT, d_qk - D_LAT)
         return lse, max_logits
-    block_h = _block_h(H, arch_of(q.device), d_qk)
+    arch = arch_of(q.device)
+    block_h = _block_h(H, arch, d_qk)
     num_hb = triton.cdiv(H, block_h)
+    # the grid's last round split (tail.py), over the programs that run at once
+    p_main, splits = tail_split(T * num_hb, num_sms(q.device) * _programs_per_sm(block_h, arch, d_qk),
+                                triton.cdiv(topk, PIECE_N), block_h, "triton")
+    grid, ws_o, ws_lse, ws_ml = tail_workspace(T * num_hb, p_main, splits, block_h, D_LAT, lse)
     # Unused pointer arguments get a tensor of the right kind; the kernel never reads them.
     len_arg = topk_length if topk_length is not None else indices
     sink_arg = attn_sink if attn_sink is not None else lse
-    sparse_mla_prefill_kernel[(T * num_hb,)](
+    sparse_mla_prefill_kernel[(grid,)](
         q, kv, indices, len_arg, sink_arg, out, max_logits, lse,
         H, N, topk, num_hb,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         scale, scale * _LOG2E,
         _bucket(H, 16, 128), _bucket(topk, 32, 2048),
+        ws_o, ws_lse, ws_ml, p_main, splits,
         HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None,
         OFF32=(N - 1) * kv.stride(0) + d_qk < 2 ** 31,
-        D_LAT=D_LAT, D_ROPE=d_qk - D_LAT, BLOCK_H=block_h,
+        D_LAT=D_LAT, D_ROPE=d_qk - D_LAT, BLOCK_H=block_h, PIECE_N=PIECE_N,
     )
+    if splits > 1:
+        merge_tail(ws_o, ws_lse, ws_ml, attn_sink, out, lse, max_logits, p_main, splits, num_hb, num_sms(q.device))
     return lse, max_logits
 
 

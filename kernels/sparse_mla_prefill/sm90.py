@@ -45,7 +45,7 @@ import torch
 import triton
 
 from openmla.kernels.device import num_sms, sm90_gluon
-from openmla.kernels.sparse_mla_prefill.tail import merge_tail, tail_split
+from openmla.kernels.sparse_mla_prefill.tail import PIECE_N, merge_tail, tail_split, tail_workspace
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
@@ -425,12 +425,8 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
     N, topk = kv.shape[0], indices.shape[1]
     num_hb = triton.cdiv(H, block_h)
     grid = T * num_hb
-    p_main, splits = tail_split(grid, num_sms(q.device), triton.cdiv(topk, BLOCK_N), block_h)
-    pieces = (grid - p_main) * splits
-    ws_o = ws_lse = ws_ml = lse  # the pieces' rows, lse and max_logits (never touched without pieces)
-    if pieces:
-        ws_o = torch.empty((pieces, block_h, d_lat), dtype=torch.float32, device=q.device)
-        ws_lse, ws_ml = (torch.empty((pieces, block_h), dtype=torch.float32, device=q.device) for _ in range(2))
+    p_main, splits = tail_split(grid, num_sms(q.device), triton.cdiv(topk, PIECE_N), block_h)
+    grid, ws_o, ws_lse, ws_ml = tail_workspace(grid, p_main, splits, block_h, d_lat, lse)
     if kernel is None:
         # q in and the output out by TMA where they are [T * H, width] rows (else cp.async and
         # stores from registers)
@@ -439,7 +435,7 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
                                                               V_REGS=V_REGS, P_REGS=P_REGS, num_warps=NUM_WARPS,
                                                               o_desc=o_desc, TMA_OUT=o_desc is not None,
                                                               q_desc=q_desc, Q_TMA=q_desc is not None)
-    kernel[(p_main + pieces,)](
+    kernel[(grid,)](
         q, kv, indices,
         topk_length if topk_length is not None else indices,
         attn_sink if attn_sink is not None else lse,

@@ -13,8 +13,9 @@ and max_logits (no sink), and `merge_tail` folds the pieces of a program into ou
 max_logits (sink applied there).
 
 Piece j of `splits` owns blocks [j * n_blk // splits, (j + 1) * n_blk // splits) of its token's
-n_blk = cdiv(min(topk_length, topk), BLOCK_N) blocks: every piece gets n_blk // splits or one more
+n_blk = cdiv(min(topk_length, topk), PIECE_N) blocks: every piece gets n_blk // splits or one more
 (an empty piece, only where topk_length cuts the list short, reports lse -inf and is ignored).
+The Triton kernel (op.py) takes the same split (its BLOCK_N, 32 or 64, divides PIECE_N).
 Measured: docs/notes/sparse_mla_prefill.md ("The last round, split").
 """
 from __future__ import annotations
@@ -28,41 +29,56 @@ import triton.language as tl
 from openmla.kernels.merge import fold_parts, merge_finish, parts_tile
 from openmla.kernels.softmax import sink_factor
 
-MIN_PIECE_BLOCKS = 2  # blocks of 64 keys a piece walks at least
+PIECE_N = 64  # keys of the pieces' unit (a Gluon kernel's block; two or one of the Triton kernel's)
+MIN_PIECE_BLOCKS = 2  # blocks of PIECE_N keys a piece walks at least
 # Split only grids of fewer rounds: past them the programs' ends drift apart and the last round
 # fills in by itself (docs/notes/sparse_mla_prefill.md, "The last round, split").
 MAX_ROUNDS = 3
-# The cost model of a split, fitted to forced splits (same notes section): a block of a program of
-# block_h heads takes BLOCK_US[block_h] in a loaded round; a split costs PIECES_US[0] (the merge's
-# launch and wait) plus PIECES_US[1] a piece per 64 heads of its block (its fp32 rows written, then
-# read by the merge).
-BLOCK_US = {64: 2.0, 32: 2.0, 16: 1.4}
+# The cost model of a split, fitted to forced splits on the H200 (same notes section): a 64-key block
+# of a program of block_h heads takes BLOCK_US[kernel][block_h] in a loaded round ("gluon": sm90.py
+# at 64 heads, sm90_kn.py at 16 / 32; "triton": op.py's kernel); a split costs PIECES_US[0] (the
+# merge's launch and wait) plus PIECES_US[1] a piece per 64 heads of its block (its fp32 rows
+# written, then read by the merge).
+BLOCK_US = {"gluon": {64: 2.0, 32: 2.0, 16: 1.4}, "triton": {64: 2.0, 32: 2.0, 16: 1.4}}
 PIECES_US = (5.0, 0.13)
 
 
-def predicted_gain(blocks: int, programs_split: int, splits: int, block_h: int = 64) -> float:
+def predicted_gain(blocks: int, programs_split: int, splits: int, block_h: int = 64,
+                   kernel: str = "gluon") -> float:
     """Microseconds the model expects a split of `programs_split` last-round programs of block_h
     heads into `splits` pieces each to save: the blocks no longer walked by the round, less the
     pieces' cost."""
     saved = blocks - -(-blocks // splits)
-    return saved * BLOCK_US[block_h] - (PIECES_US[0] + PIECES_US[1] * block_h / 64 * programs_split * splits)
+    return saved * BLOCK_US[kernel][block_h] - (PIECES_US[0] + PIECES_US[1] * block_h / 64 * programs_split * splits)
 
 
 @functools.lru_cache(maxsize=1024)
-def tail_split(programs: int, sms: int, blocks: int, block_h: int = 64) -> tuple[int, int]:
+def tail_split(programs: int, slots: int, blocks: int, block_h: int = 64, kernel: str = "gluon") -> tuple[int, int]:
     """(p_main, splits): programs p_main.. of the grid are split into `splits` pieces each (the
-    grid has p_main + (programs - p_main) * splits programs); splits = 1: none is. `blocks`: the
-    blocks of a full index list (cdiv(topk, BLOCK_N)); block_h: the programs' head block (64, or
-    16 / 32 for the keys-on-M kernel). The split count is the one of the largest positive
-    `predicted_gain`, if any."""
-    r = programs % sms
+    grid has p_main + (programs - p_main) * splits programs); splits = 1: none is. slots: the
+    programs that run at once (SMs x programs an SM); `blocks`: the 64-key blocks of a full index
+    list (cdiv(topk, 64)); block_h and kernel: the programs' head block and kernel (BLOCK_US). The
+    split count is the one of the largest positive `predicted_gain`, if any."""
+    r = programs % slots
     best, gain = 1, 0.0
-    if r and programs < MAX_ROUNDS * sms:
-        for s in range(2, min(sms // r, blocks // MIN_PIECE_BLOCKS) + 1):
-            g = predicted_gain(blocks, r, s, block_h)
+    if r and programs < MAX_ROUNDS * slots:
+        for s in range(2, min(slots // r, blocks // MIN_PIECE_BLOCKS) + 1):
+            g = predicted_gain(blocks, r, s, block_h, kernel)
             if g > gain:
                 best, gain = s, g
     return (programs - r, best) if best > 1 else (programs, 1)
+
+
+def tail_workspace(programs: int, p_main: int, splits: int, block_h: int, dv: int, dummy: torch.Tensor):
+    """The grid of a split (p_main + pieces programs) and the pieces' workspace: rows ws_o [pieces,
+    block_h, dv] fp32, ws_lse and ws_ml [pieces, block_h]; without pieces the three are `dummy`
+    (the kernel never touches them)."""
+    pieces = (programs - p_main) * splits if splits > 1 else 0
+    if not pieces:
+        return programs, dummy, dummy, dummy
+    dev = dummy.device
+    return (p_main + pieces, torch.empty((pieces, block_h, dv), dtype=torch.float32, device=dev),
+            *(torch.empty((pieces, block_h), dtype=torch.float32, device=dev) for _ in range(2)))
 
 
 @triton.jit

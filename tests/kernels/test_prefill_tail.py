@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from openmla.kernels.reference import sparse_mla_ref
+import contextlib
+
+from openmla.kernels.device import ARCHES, assume
+from openmla.kernels.sparse_mla_prefill import op as prefill_op
 from openmla.kernels.sparse_mla_prefill import sm90, sm90_kn
 from openmla.kernels.sparse_mla_prefill import tail
 from openmla.kernels.sparse_mla_prefill.tail import MIN_PIECE_BLOCKS, merge_tail, predicted_gain, tail_split
@@ -191,7 +195,66 @@ def test_sm90_kn_launch_splits_the_last_round(H, T, want, flags, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# On Hopper: the kernel's pieces and the merge against the oracle
+# The portable Triton kernel's pieces (op.py), on every device: in the interpreter on the CPU, as an
+# sm_80 runs it on a GPU
+TRITON_FORCED = [  # (case, forced (p_main, splits))
+    pytest.param(Case(T=4, H=16, topk=300, N=1000, invalid=0.2, lengths=True, sink=True), (1, 3),
+                 id="T4-H16-tail-3-len-sink-invalid"),
+    pytest.param(Case(T=3, H=40, topk=256, N=500, sink=True), (2, 2), id="T3-H40-tail-2-sink"),
+    pytest.param(Case(T=3, H=5, topk=200, N=500, d_qk=512), (0, 4), id="T3-H5-d512-all-4"),
+    pytest.param(Case(T=2, H=20, topk=128, N=300, lengths=True), (0, 5), id="T2-H20-more-pieces-than-units"),
+]
+
+
+@pytest.mark.parametrize("case,split", TRITON_FORCED)
+def test_triton_split_matches_oracle(case, split, request, monkeypatch):
+    calls = []
+    monkeypatch.setattr(prefill_op, "tail_split", lambda *args: calls.append(args) or split)
+    path = assume(ARCHES["sm_80"]) if DEVICE != "cpu" else contextlib.nullcontext()
+    with path:
+        check(case, request)
+    assert calls and calls[0][-1] == "triton", calls
+
+
+@pytest.mark.parametrize("H,T,topk,slots", [(16, 3, 2048, 16), (16, 40, 2048, 16), (64, 3, 2048, 8), (16, 3, 64, 16),
+                                             (32, 100, 2048, 16)])
+def test_triton_launch_splits_the_last_round(H, T, topk, slots, monkeypatch):
+    """The Triton kernel's launch (recorded, CPU tensors: 8 SMs) asks the rule with its slots (SMs x
+    programs an SM: two of 16 / 32 heads, one of 64), its 64-key units, head block and cost table,
+    and sizes the grid, the workspace and the merge from the answer; no split, no merge."""
+    seen, merged, asked = [], [], []
+
+    class _Record:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(dict(grid=grid, args=args, **kw))
+
+    rule = prefill_op.tail_split
+    monkeypatch.setattr(prefill_op, "sparse_mla_prefill_kernel", _Record())
+    monkeypatch.setattr(prefill_op, "merge_tail", lambda *args: merged.append(args))
+    monkeypatch.setattr(prefill_op, "tail_split", lambda *args: asked.append(args) or rule(*args))
+    q, kv = torch.randn(T, H, 576).bfloat16(), torch.randn(100, 576).bfloat16()
+    idx = torch.zeros(T, topk, dtype=torch.int32)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16)
+    prefill_op._launch(q, kv, idx, 0.1, None, None, out)
+    hb = 16 if H <= 16 else 32 if H <= 32 else 64
+    programs = T * -(-H // hb)
+    assert asked == [(programs, slots, -(-topk // 64), hb, "triton")]
+    p_main, splits = rule(*asked[0])
+    assert (splits > 1) is ((T, topk) not in ((3, 64), (100, 2048)))  # 1 unit; over 3 rounds
+    k = seen[0]
+    ws_o, ws_lse, ws_ml, a_main, a_splits = k["args"][22:27]
+    assert (a_main, a_splits) == (p_main, splits)
+    if splits > 1:
+        pieces = (programs - p_main) * splits
+        assert k["grid"] == (p_main + pieces,)
+        assert ws_o.shape == (pieces, hb, 512) and ws_lse.shape == ws_ml.shape == (pieces, hb)
+        assert len(merged) == 1 and merged[0][0] is ws_o and merged[0][7:9] == (p_main, splits)
+    else:
+        assert k["grid"] == (programs,) and not merged
+
+
+# ------------------------------------------------------------------------------------------------
+# On Hopper: the Gluon kernels' pieces and the merge against the oracle
 # (the rule, the merge and the launch are tested above on every device)
 needs_sm90 = pytest.mark.skipif(not sm90_gluon(DEVICE), reason="the 64-head Gluon kernel, the only one that splits, "
                                                               "runs on Hopper only")
