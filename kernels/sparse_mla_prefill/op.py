@@ -28,6 +28,8 @@ scale). Per block of rows:
   fewer integer instructions per gathered row in a loop that is instruction-bound.
 - heads are the M of the dots: 64-head blocks run Hopper wgmma (M = 64 per warpgroup), 16- and
   32-head blocks mma.sync, so a small head count pays for no padding to 64.
+- a short grid's last round is split (tail.py): its programs become pieces over parts of their
+  index lists, whose fp32 rows a second kernel merges, as in the Gluon kernels.
 
 On Hopper (Gluon available, kv rows on 16 bytes) two Gluon kernels take over: H <= 32 runs with
 keys on the wgmma M, warp-specialised (kernels/sparse_mla_prefill/sm90_kn.py), H > 32 in 64-head
