@@ -216,6 +216,30 @@ def test_triton_split_matches_oracle(case, split, request, monkeypatch):
     assert calls and calls[0][-1] == "triton", calls
 
 
+def test_triton_split_faults(request, monkeypatch):
+    """Pieces of the Triton kernel keep faults visible through the merge: a NaN row one split
+    token selects and a NaN in one head of another split token's q make those rows NaN, and only
+    those; an unsplit program's rows stay as they are."""
+    c = Case(T=4, H=20, topk=256, N=600, invalid=0.1, sink=True)
+    a = build(c, zlib.crc32(request.node.name.encode()))
+    idx, kv, q = a["indices"].clone(), a["kv"].clone(), a["q"].clone()
+    bad_row = c.N - 1
+    idx[idx == bad_row] = 0  # only token 2 selects the NaN row
+    idx[2, 200] = bad_row
+    kv[bad_row] = float("nan")
+    q[1, 17, 3] = float("nan")  # token 1, head 17
+    a.update(indices=idx, kv=kv, q=q)
+    monkeypatch.setattr(prefill_op, "tail_split", lambda *args: (1, 2))
+    path = assume(ARCHES["sm_80"]) if DEVICE != "cpu" else contextlib.nullcontext()
+    with path:
+        out, _, lse = check(c, request, a)
+    want = torch.zeros(c.T, c.H, dtype=torch.bool)
+    want[2] = True
+    want[1, 17] = True
+    assert torch.equal(lse.isnan().cpu(), want), lse.isnan().nonzero()
+    assert bool(out[2].isnan().all()) and bool(out[1, 17].isnan().all())
+
+
 @pytest.mark.parametrize("H,T,topk,slots", [(16, 3, 2048, 16), (16, 40, 2048, 16), (64, 3, 2048, 8), (16, 3, 64, 16),
                                              (32, 100, 2048, 16)])
 def test_triton_launch_splits_the_last_round(H, T, topk, slots, monkeypatch):
