@@ -52,7 +52,7 @@ import triton.language as tl
 from openmla.kernels.configs import ConfigSpace
 from openmla.kernels.sparse_mla_prefill import sm90 as _sm90
 from openmla.kernels.sparse_mla_prefill import sm90_kn as _kn
-from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
+from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits, piece_range, split_program
 from openmla.kernels.sparse_mla_prefill.tail import PIECE_N, merge_tail, tail_split, tail_workspace
 from openmla.kernels.device import arch_of, num_sms
 from openmla.quant.validate import check_out, check_same_device, check_scale, check_tensor, fail
@@ -191,13 +191,7 @@ def sparse_mla_prefill_kernel(
     HALF: tl.constexpr = D_LAT // 2
     # The head blocks of one token are neighbouring programs: they gather the same rows. Programs
     # from P_MAIN on are pieces of the split programs P_MAIN.. (tail.py), SPLITS of each in a row.
-    i_p = tl.program_id(0)
-    i_w = i_p - P_MAIN  # >= 0: a piece, its workspace row
-    i_q = i_p
-    if i_w >= 0:
-        i_q = P_MAIN + i_w // SPLITS
-    i_t = (i_q // NUM_HB).to(tl.int64)
-    i_hb = i_q % NUM_HB
+    i_t, i_hb, i_w = split_program(tl.program_id(0), P_MAIN, SPLITS, NUM_HB)  # i_w >= 0: a piece
 
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
@@ -214,14 +208,7 @@ def sparse_mla_prefill_kernel(
     n_use = TOPK
     if HAS_LEN:
         n_use = tl.minimum(tl.maximum(tl.load(len_ptr + i_t), 0), TOPK)
-    p_idx = idx_ptr + i_t * stride_it
-    if i_w >= 0:  # piece j: units [lo, hi) of PIECE_N keys of the list
-        n_unit = tl.cdiv(n_use, PIECE_N)
-        j = i_w % SPLITS
-        lo = j * n_unit // SPLITS
-        hi = (j + 1) * n_unit // SPLITS
-        p_idx += lo * PIECE_N
-        n_use = tl.minimum(n_use - lo * PIECE_N, (hi - lo) * PIECE_N)
+    p_idx, n_use = piece_range(idx_ptr + i_t * stride_it, n_use, i_w, SPLITS, PIECE_N)
 
     # m_i is the running max of the raw q.k (scale > 0), so max_logits = scale * m_i exactly.
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)

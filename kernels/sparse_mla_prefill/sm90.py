@@ -45,7 +45,7 @@ import torch
 import triton
 
 from openmla.kernels.device import num_sms, sm90_gluon
-from openmla.kernels.sparse_mla_prefill.tail import PIECE_N, merge_tail, tail_split, tail_workspace
+from openmla.kernels.sparse_mla_prefill.tail import merge_tail, tail_split, tail_workspace
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
@@ -54,8 +54,11 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits
+    from openmla.kernels.sparse_mla_prefill.shared import finish_rows, keep_faults, max_logits, piece_range, \
+        split_program
     _finish_rows = gluon.jit(finish_rows.fn)
+    _piece_range = gluon.jit(piece_range.fn)
+    _split_program = gluon.jit(split_program.fn)
     _keep_faults = gluon.jit(keep_faults.fn)
     _max_logits = gluon.jit(max_logits.fn)
     _GLUON = True
@@ -347,13 +350,7 @@ if _GLUON:
 
         # the head blocks of one token are neighbouring programs: they gather the same rows. Programs
         # from p_main on are pieces of the split programs p_main.. (tail.py), `splits` of each in a row
-        i_p = gl.program_id(0)
-        i_w = i_p - p_main  # >= 0: a piece, its workspace row
-        i_q = i_p
-        if i_w >= 0:
-            i_q = p_main + i_w // splits
-        i_t = (i_q // NUM_HB).to(gl.int64)
-        i_hb = i_q % NUM_HB
+        i_t, i_hb, i_w = _split_program(gl.program_id(0), p_main, splits, NUM_HB)  # i_w >= 0: a piece
         s_ql = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], SH)
         s_kl = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], SH)
         if D_ROPE > 0:
@@ -383,15 +380,8 @@ if _GLUON:
         n_use = TOPK
         if HAS_LEN:
             n_use = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
+        p_idx, n_use = _piece_range(idx_ptr + i_t * stride_it, n_use, i_w, splits, BLOCK_N)
         n_blk = gl.cdiv(n_use, BLOCK_N)
-        p_idx = idx_ptr + i_t * stride_it
-        if i_w >= 0:  # piece j: blocks [lo, hi) of the list
-            j = i_w % splits
-            lo = j * n_blk // splits
-            hi = (j + 1) * n_blk // splits
-            p_idx += lo * BLOCK_N
-            n_use = gl.minimum(n_use - lo * BLOCK_N, (hi - lo) * BLOCK_N)
-            n_blk = hi - lo
         gl.warp_specialize(
             [(_scores, (q_ptr, stride_qt, stride_qh, s_ql, s_qr, s_kl, s_kr, s_p, s_f, s_inv, full, empty, pfull,
                         done, p_idx, n_use, n_blk, N, scale, scale_log2, sink_ptr, out_ptr, ml_ptr, lse_ptr, i_t,
@@ -425,7 +415,8 @@ def launch(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale, 
     N, topk = kv.shape[0], indices.shape[1]
     num_hb = triton.cdiv(H, block_h)
     grid = T * num_hb
-    p_main, splits = tail_split(grid, num_sms(q.device), triton.cdiv(topk, PIECE_N), block_h)
+    # pieces of whole key blocks (BLOCK_N = 64 in both kernels: the unit of tail.py's costs)
+    p_main, splits = tail_split(grid, num_sms(q.device), triton.cdiv(topk, config.get("BLOCK_N", BLOCK_N)), block_h)
     grid, ws_o, ws_lse, ws_ml = tail_workspace(grid, p_main, splits, block_h, d_lat, lse)
     if kernel is None:
         # q in and the output out by TMA where they are [T * H, width] rows (else cp.async and

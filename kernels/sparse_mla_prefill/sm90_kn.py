@@ -55,7 +55,8 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-    from openmla.kernels.sparse_mla_prefill.sm90 import _finish_rows, _keep_faults, _max_logits, _producer
+    from openmla.kernels.sparse_mla_prefill.sm90 import (_finish_rows, _keep_faults, _max_logits, _piece_range,
+                                                         _producer, _split_program)
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
@@ -219,13 +220,7 @@ if _GLUON:
 
         # one program per token and head block (NUM_HB = 1 while H <= 32); programs from p_main on
         # are pieces of the split programs p_main.. (tail.py), `splits` of each in a row
-        i_p = gl.program_id(0)
-        i_w = i_p - p_main  # >= 0: a piece, its workspace row
-        i_q = i_p
-        if i_w >= 0:
-            i_q = p_main + i_w // splits
-        i_t = (i_q // NUM_HB).to(gl.int64)
-        i_hb = i_q % NUM_HB
+        i_t, i_hb, i_w = _split_program(gl.program_id(0), p_main, splits, NUM_HB)  # i_w >= 0: a piece
         o_hq = i_hb * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, GQ))
         p_q = q_ptr + i_t * stride_qt + o_hq[:, None] * stride_qh
         o_lq = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, GQ))
@@ -246,15 +241,8 @@ if _GLUON:
         n_use = TOPK
         if HAS_LEN:
             n_use = gl.minimum(gl.maximum(gl.load(len_ptr + i_t), 0), TOPK)
+        p_idx, n_use = _piece_range(idx_ptr + i_t * stride_it, n_use, i_w, splits, BLOCK_N)
         n_blk = gl.cdiv(n_use, BLOCK_N)
-        p_idx = idx_ptr + i_t * stride_it
-        if i_w >= 0:  # piece j: blocks [lo, hi) of the list
-            j = i_w % splits
-            lo = j * n_blk // splits
-            hi = (j + 1) * n_blk // splits
-            p_idx += lo * BLOCK_N
-            n_use = gl.minimum(n_use - lo * BLOCK_N, (hi - lo) * BLOCK_N)
-            n_blk = hi - lo
         full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):

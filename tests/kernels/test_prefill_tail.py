@@ -216,28 +216,35 @@ def test_triton_split_matches_oracle(case, split, request, monkeypatch):
     assert calls and calls[0][-1] == "triton", calls
 
 
-def test_triton_split_faults(request, monkeypatch):
-    """Pieces of the Triton kernel keep faults visible through the merge: a NaN row one split
-    token selects and a NaN in one head of another split token's q make those rows NaN, and only
-    those; an unsplit program's rows stay as they are."""
-    c = Case(T=4, H=20, topk=256, N=600, invalid=0.1, sink=True)
+def _faults_through_pieces(c, request, bad_tok, bad_q, path=contextlib.nullcontext()):
+    """Run case c with a NaN kv row that only token bad_tok selects and a NaN at q[bad_q] (token,
+    head, dim): against the oracle (check), and exactly those rows NaN."""
     a = build(c, zlib.crc32(request.node.name.encode()))
     idx, kv, q = a["indices"].clone(), a["kv"].clone(), a["q"].clone()
     bad_row = c.N - 1
-    idx[idx == bad_row] = 0  # only token 2 selects the NaN row
-    idx[2, 200] = bad_row
+    idx[idx == bad_row] = 0
+    idx[bad_tok, 7] = bad_row
     kv[bad_row] = float("nan")
-    q[1, 17, 3] = float("nan")  # token 1, head 17
+    q[bad_q] = float("nan")
     a.update(indices=idx, kv=kv, q=q)
-    monkeypatch.setattr(prefill_op, "tail_split", lambda *args: (1, 2))
-    path = assume(ARCHES["sm_80"]) if DEVICE != "cpu" else contextlib.nullcontext()
     with path:
         out, _, lse = check(c, request, a)
     want = torch.zeros(c.T, c.H, dtype=torch.bool)
-    want[2] = True
-    want[1, 17] = True
+    want[bad_tok] = True
+    want[bad_q[:2]] = True
     assert torch.equal(lse.isnan().cpu(), want), lse.isnan().nonzero()
-    assert bool(out[2].isnan().all()) and bool(out[1, 17].isnan().all())
+    assert bool(out[bad_tok].isnan().all()) and bool(out[bad_q[:2]].isnan().all())
+
+
+def test_triton_split_faults(request, monkeypatch):
+    """Pieces of the Triton kernel keep faults visible through the merge: a NaN row one split
+    token selects and a NaN in one head of another split token's q make those rows NaN, and only
+    those."""
+    calls = []
+    monkeypatch.setattr(prefill_op, "tail_split", lambda *args: calls.append(args) or (1, 2))
+    _faults_through_pieces(Case(T=4, H=20, topk=256, N=600, invalid=0.1, sink=True), request, 2, (1, 17, 3),
+                           assume(ARCHES["sm_80"]) if DEVICE != "cpu" else contextlib.nullcontext())
+    assert calls
 
 
 @pytest.mark.parametrize("H,T,topk,slots", [(16, 3, 2048, 16), (16, 40, 2048, 16), (64, 3, 2048, 8), (16, 3, 64, 16),
@@ -327,21 +334,7 @@ def test_sm90_kn_split_fault_passes(request, monkeypatch):
     another split token's q, make those rows NaN through the merge, and only those."""
     c = Case(T=5, H=32, topk=2048, N=1200, invalid=0.1, sink=True)
     assert c.T * c.topk >= sm90_kn.FLAG_RATIO * c.N
-    a = build(c, zlib.crc32(request.node.name.encode()))
-    idx, kv, q = a["indices"].clone(), a["kv"].clone(), a["q"].clone()
-    bad_row = c.N - 1
-    idx[idx == bad_row] = 0  # only token 3 selects the NaN row
-    idx[3, 7] = bad_row
-    kv[bad_row] = float("nan")
-    q[2, 5, 100] = float("nan")  # token 2, head 5
-    a.update(indices=idx, kv=kv, q=q)
     calls = []
-    monkeypatch.setattr(sm90, "tail_split", lambda *args: calls.append((2, 4)) or calls[-1])
-    out, _, lse = check(c, request, a)
+    monkeypatch.setattr(sm90, "tail_split", lambda *args: calls.append(args) or (2, 4))
+    _faults_through_pieces(c, request, 3, (2, 5, 100))
     assert calls
-    nan_rows = lse.isnan().cpu()
-    want = torch.zeros(c.T, c.H, dtype=torch.bool)
-    want[3] = True
-    want[2, 5] = True
-    assert torch.equal(nan_rows, want), nan_rows.nonzero()
-    assert bool(out[3].isnan().all()) and bool(out[2, 5].isnan().all())
