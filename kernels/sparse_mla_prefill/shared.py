@@ -1,7 +1,8 @@
-"""Layout-free code shared by the sparse prefill kernels (a split grid's program and piece, the
-rows' finish): the Triton kernel uses it as it is, the Gluon (sm_90) kernels recompile it with
-`gluon.jit(fn.fn)` (scalar and elementwise code only, so it means the same in both languages). How a NaN or inf reaches out, lse and max_logits: kernels/softmax.py
-(`keep_faults` is every attention kernel's)."""
+"""Layout-free code shared by the sparse prefill kernels (a split grid's program and piece, the rows'
+finish): the Triton kernel uses it as it is, the Gluon (sm_90) kernels recompile it with
+`gluon.jit(fn.fn)` (scalar and elementwise code only, so it means the same in both languages). How a
+NaN or inf reaches out, lse and max_logits: kernels/softmax.py (`keep_faults` is every attention
+kernel's)."""
 from __future__ import annotations
 
 import triton
