@@ -247,57 +247,94 @@ def attention_options(H: int, D: int, *, scale_factor: float, seed: int, sinks: 
     return opts
 
 
+# The compile server: a child process (no interpreter) that reads one JSON request a line, compiles
+# the Gluon kernel it names for sm_90a and answers one line, "RESULT <json>" or "ERROR <traceback>"
+# (other lines on its stdout are Triton's prints). One per test process, started on first use, so
+# that torch, Triton and openmla are imported once, not once a compile.
 _COMPILE_SM90 = """
-import importlib, json, os, re, subprocess, sys, tempfile
+import importlib, json, os, re, subprocess, sys, tempfile, traceback
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-module, name, const, ptrs, warps, named = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(module), name)
-sig, attrs = {}, {}
-for i, arg in enumerate(fn.arg_names):
-    if arg in const:
-        sig[arg] = "constexpr"
-    elif arg in named:
-        sig[arg] = named[arg]
-        if not named[arg].startswith("tensordesc"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    elif i < len(ptrs):
-        sig[arg], attrs[(i,)] = ptrs[i], [["tt.divisibility", 16]]
-    else:
-        sig[arg] = "fp32" if "scale" in arg else "i32"
-k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=warps))
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(k.asm["cubin"]); f.flush()
-    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
-    sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-regs, stack = map(int, re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups())
-print(json.dumps(dict(shared=k.metadata.shared, regs=regs, stack=stack, hgmma=sass.count("HGMMA"),
-                      ldgsts128=sass.count("LDGSTS.E.BYPASS.128"), ldgsts=sass.count("LDGSTS"),
-                      ldg128=len(re.findall(r"LDG\\.E[.A-Z0-9_]*\\.128", sass)),
-                      stg128=len(re.findall(r"STG\\.E[.A-Z0-9_]*\\.128", sass)),
-                      tma_store=sass.count("UTMASTG"), tma_load=sass.count("UTMALDG"))))
+
+
+def compile_one(module, name, const, ptrs, warps, named):
+    fn = getattr(importlib.import_module(module), name)
+    sig, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in const:
+            sig[arg] = "constexpr"
+        elif arg in named:
+            sig[arg] = named[arg]
+            if not named[arg].startswith("tensordesc"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif i < len(ptrs):
+            sig[arg], attrs[(i,)] = ptrs[i], [["tt.divisibility", 16]]
+        else:
+            sig[arg] = "fp32" if "scale" in arg else "i32"
+    k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"]); f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    regs, stack = map(int, re.search(r"REG:(\\d+) STACK:(\\d+)", usage).groups())
+    return dict(shared=k.metadata.shared, regs=regs, stack=stack, hgmma=sass.count("HGMMA"),
+                ldgsts128=sass.count("LDGSTS.E.BYPASS.128"), ldgsts=sass.count("LDGSTS"),
+                ldg128=len(re.findall(r"LDG\\.E[.A-Z0-9_]*\\.128", sass)),
+                stg128=len(re.findall(r"STG\\.E[.A-Z0-9_]*\\.128", sass)),
+                tma_store=sass.count("UTMASTG"), tma_load=sass.count("UTMALDG"))
+
+
+for line in sys.stdin:
+    try:
+        out = "RESULT " + json.dumps(compile_one(*json.loads(line)))
+    except Exception:
+        out = "ERROR " + json.dumps(traceback.format_exc())
+    print(out, flush=True)
 """
+_COMPILE_SERVER: list = []  # [the child process, its stderr file] once started
+
+
+def _compile_server():
+    import atexit
+    import subprocess
+    import sys
+    import tempfile
+
+    if _COMPILE_SERVER and _COMPILE_SERVER[0].poll() is None:
+        return _COMPILE_SERVER
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    err = tempfile.TemporaryFile(mode="w+")
+    child = subprocess.Popen([sys.executable, "-c", _COMPILE_SM90], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=root)
+    atexit.register(child.kill)
+    _COMPILE_SERVER[:] = [child, err]
+    return _COMPILE_SERVER
 
 
 def compile_gluon_sm90(module: str, name: str, const: dict, ptr_types: list, num_warps: int,
                        named_ptrs: Optional[dict] = None) -> dict:
     """Compile a Gluon kernel for sm_90a without a GPU (ptxas ships with Triton) and return its
     shared memory, registers, spill stack and SASS counts (wgmma, cp.async). Gluon does not run
-    in the interpreter, which also replaces jit functions in this process: a child compiles it.
+    in the interpreter, which also replaces jit functions in this process: a child process (the
+    compile server above) compiles it.
     ptr_types: the types of the leading (pointer) arguments; named_ptrs: {argument: type} for
     arguments further on that a launch specializes as multiples of 16 (pointers, or int strides),
     or tensor descriptors (their `triton.runtime.jit.mangle_type`)."""
     import json
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90,
-                          json.dumps([module, name, const, ptr_types, num_warps, named_ptrs or {}])],
-                         capture_output=True, text=True, env=env, cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    child, err = _compile_server()
+    child.stdin.write(json.dumps([module, name, const, ptr_types, num_warps, named_ptrs or {}]) + "\n")
+    child.stdin.flush()
+    for line in child.stdout:
+        kind, _, payload = line.rstrip("\n").partition(" ")
+        if kind in ("RESULT", "ERROR"):
+            break
+    else:  # the child exited
+        err.seek(0)
+        raise AssertionError(f"the compile server exited ({child.wait()}):\n{err.read()[-3000:]}")
+    assert kind == "RESULT", json.loads(payload)[-3000:]
+    return json.loads(payload)
