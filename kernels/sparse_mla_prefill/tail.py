@@ -2,8 +2,9 @@
 their pieces (`merge_tail`).
 
 A program of the Gluon prefill kernels (sm90.py: 64 heads; sm90_kn.py: 16 or 32 heads, keys on M)
-owns one token's head block and walks its whole index list in 64-key blocks, one program an SM. A
-grid of P programs on S SMs ends with a round of P mod S programs while the other SMs idle: a grid
+owns one token's head block and walks its whole index list in 64-key blocks, one program an SM (the
+Triton kernel, op.py: S below counts the programs that run at once, its slots). A grid of P
+programs on S SMs ends with a round of P mod S programs while the other SMs idle: a grid
 smaller than S (a short prefill: 16 tokens x 64 heads take 16 SMs) is all last round, and a grid of
 two or three rounds waits for its last one as long as for the others (over many rounds the programs'
 ends drift apart and the last round fills in). There each of the last r programs becomes `splits`
@@ -15,7 +16,7 @@ max_logits (sink applied there).
 Piece j of `splits` owns blocks [j * n_blk // splits, (j + 1) * n_blk // splits) of its token's
 n_blk = cdiv(min(topk_length, topk), PIECE_N) blocks: every piece gets n_blk // splits or one more
 (an empty piece, only where topk_length cuts the list short, reports lse -inf and is ignored).
-The Triton kernel (op.py) takes the same split (its BLOCK_N, 32 or 64, divides PIECE_N).
+The Triton kernel takes the same split (its BLOCK_N, 32 or 64, divides PIECE_N).
 Measured: docs/notes/sparse_mla_prefill.md ("The last round, split").
 """
 from __future__ import annotations
@@ -34,11 +35,11 @@ MIN_PIECE_BLOCKS = 2  # blocks of PIECE_N keys a piece walks at least
 # Split only grids of fewer rounds: past them the programs' ends drift apart and the last round
 # fills in by itself (docs/notes/sparse_mla_prefill.md, "The last round, split").
 MAX_ROUNDS = 3
-# The cost model of a split, fitted to forced splits on the H200 (same notes section): a 64-key block
-# of a program of block_h heads takes BLOCK_US[kernel][block_h] in a loaded round ("gluon": sm90.py
-# at 64 heads, sm90_kn.py at 16 / 32; "triton": op.py's kernel); a split costs PIECES_US[0] (the
-# merge's launch and wait) plus PIECES_US[1] a piece per 64 heads of its block (its fp32 rows
-# written, then read by the merge).
+# The cost model of a split (`predicted_gain`; where its values come from: same notes section): a
+# 64-key block of a program of block_h heads takes BLOCK_US[kernel][block_h] microseconds in a loaded
+# round ("gluon": sm90.py at 64 heads, sm90_kn.py at 16 / 32; "triton": op.py's kernel); a split
+# costs PIECES_US[0] (the merge's launch and wait) plus PIECES_US[1] a piece per 64 heads of its
+# block (its fp32 rows written, then read by the merge).
 BLOCK_US = {"gluon": {64: 2.0, 32: 2.0, 16: 1.4}, "triton": {64: 4.5, 32: 4.3, 16: 3.0}}
 PIECES_US = (5.0, 0.13)
 
@@ -73,7 +74,7 @@ def tail_workspace(programs: int, p_main: int, splits: int, block_h: int, dv: in
     """The grid of a split (p_main + pieces programs) and the pieces' workspace: rows ws_o [pieces,
     block_h, dv] fp32, ws_lse and ws_ml [pieces, block_h]; without pieces the three are `dummy`
     (the kernel never touches them)."""
-    pieces = (programs - p_main) * splits if splits > 1 else 0
+    pieces = (programs - p_main) * splits  # 0 without a split (p_main = programs)
     if not pieces:
         return programs, dummy, dummy, dummy
     dev = dummy.device

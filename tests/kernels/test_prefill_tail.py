@@ -124,8 +124,8 @@ def test_merge_tail_matches_oracle(H, p_main, splits, request):
     assert bool((out[~d] == 7).all()) and bool((lse[~d] == 7).all()) and bool((ml[~d] == 7).all())
 
 
-@pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the sm_90 kernel, the only one that "
-                                             "splits, is not built (the op runs the unsplit Triton kernel)")
+@pytest.mark.skipif(not sm90._GLUON, reason="this Triton has no Gluon: the 64-head sm_90 kernel whose launch this "
+                                             "records is not built (the Triton kernel's launch: below)")
 def test_sm90_launch_splits_the_last_round(monkeypatch):
     """The launch (recorded: Gluon does not run in the interpreter) grows the grid by the pieces,
     hands the kernel the split and a workspace of a row block per piece, then merges; no split, no
@@ -157,8 +157,8 @@ def test_sm90_launch_splits_the_last_round(monkeypatch):
             assert not merged
 
 
-@pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the keys-on-M sm_90 kernel is not built "
-                                                "(the op runs the unsplit Triton kernel)")
+@pytest.mark.skipif(not sm90_kn._GLUON, reason="this Triton has no Gluon: the keys-on-M sm_90 kernel whose launch this "
+                                                "records is not built (the Triton kernel's launch: below)")
 @pytest.mark.parametrize("H,T,want,flags", [(16, 3, (0, 2), False), (32, 3, (0, 2), False), (32, 11, (8, 2), True),
                                             (16, 8, (8, 1), False)])
 def test_sm90_kn_launch_splits_the_last_round(H, T, want, flags, monkeypatch):
@@ -287,8 +287,8 @@ def test_triton_launch_splits_the_last_round(H, T, topk, slots, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # On Hopper: the Gluon kernels' pieces and the merge against the oracle
 # (the rule, the merge and the launch are tested above on every device)
-needs_sm90 = pytest.mark.skipif(not sm90_gluon(DEVICE), reason="the 64-head Gluon kernel, the only one that splits, "
-                                                              "runs on Hopper only")
+needs_sm90 = pytest.mark.skipif(not sm90_gluon(DEVICE), reason="the Gluon kernels run on Hopper only (the Triton "
+                                                              "kernel's pieces: tested above on every device)")
 
 FORCED = [  # (case, forced (p_main, splits) or None for the launch's own rule)
     pytest.param(Case(T=5, H=128, topk=2048, N=8000, invalid=0.2, lengths=True, sink=True), (0, 4),
