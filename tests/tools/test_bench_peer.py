@@ -273,3 +273,30 @@ def test_decode_entry_points_match_their_oracle(name):
     if name == "flashmla_compat_decode":  # the API's layout and lse marker undone: the decode op's result
         got, want = op.peer.ours(x), _bench_peer.decode_peer().ours(x)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_flushed_timing_is_recorded_and_reported(tmp_path, capsys, peer):
+    """--timing flushed (FlashMLA's own timing regime) is kept in the JSON and said in the markdown,
+    for openmla's ms and for the FlashMLA column; a default run keeps the CUDA-graph wording."""
+    peer()
+    args = ["--op", "sparse_mla_prefill", "--shapes", SMALL, "--no-ref"] + NO_EAGER
+    flushed, _ = _bench(args + ["--timing", "flushed"], tmp_path, capsys)
+    assert flushed["timing"] == "flushed"
+    md = bench.report(flushed)
+    assert "ms: FlashMLA's timing regime (--timing flushed)" in md and "(timed as openmla; eager" in md
+    if bench.GPU:
+        (c,) = flushed["cases"]
+        assert c["extra"]["timing"].startswith("flushed") and c["extra"]["peer"]["timing"].startswith("flushed")
+    graph, _ = _bench(args, tmp_path, capsys)
+    md = bench.report(graph)
+    assert graph["timing"] == "graph" and "FlashMLA's timing regime" not in md and "(CUDA-graph replay; eager" in md
+    with pytest.raises(SystemExit):
+        bench.main(args + ["--timing", "kineto"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times GPU work: the flushed regime needs CUDA")
+def test_flushed_time_calls_alone_and_takes_the_median():
+    calls = []
+    x = torch.randn(1 << 20, device="cuda")
+    ms = bench.flushed_time(lambda: calls.append(x.mul_(1.0)), calls=5)
+    assert len(calls) == 5 + 3 and 0 < ms < 100
