@@ -114,7 +114,8 @@ FLUSH_CALLS = 30
 
 def flushed_time(fn, calls: int = FLUSH_CALLS) -> float:
     """Median ms of fn timed alone after a memset of min(8 GB, a quarter of the free memory): CUDA
-    events around each call (its launch included, microseconds against these kernels' time)."""
+    events around each call. The memset (~2 ms) is still running when the host has enqueued the
+    events and fn, so the host's work is hidden; the GPU's gaps between fn's kernels are counted."""
     free, _ = torch.cuda.mem_get_info()
     buf = torch.empty(min(int(8e9), free // 4) // 4, dtype=torch.int32, device="cuda")
     times = []
