@@ -384,13 +384,13 @@ def report(result: dict) -> str:
         out += [f"**{result['warning']}**", ""]
     caption = f"_{result['device']}, {result['date']}: `{result['command']}`_"
     ops = sorted({c["op"] for c in result["cases"]})
+    flushed = result.get("timing") == "flushed"
     for op in ops:
         cases = [c for c in result["cases"] if c["op"] == op]
         eager = any("eager_ms" in c for c in cases)
         peer = any("peer" in c.get("extra", {}) for c in cases)
         out.append(f"### {op}\n")
         notes = []
-        flushed = result.get("timing") == "flushed"
         if flushed:
             notes.append("ms: FlashMLA's timing regime (--timing flushed): each call timed alone by CUDA events "
                          "after an 8 GB memset (L2 flushed, the GPU between calls on memory-bound work), median "
