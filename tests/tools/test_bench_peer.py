@@ -294,7 +294,9 @@ def test_flushed_timing_is_recorded_and_reported(tmp_path, capsys, peer):
         bench.main(args + ["--timing", "kineto"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="times GPU work (CUDA events, a memset on the device); the mode's recording and report are tested above on every device")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="times GPU work (CUDA events, a memset on the device); the mode's recording "
+                           "and report are tested above on every device")
 def test_flushed_time_calls_alone_and_takes_the_median():
     calls = []
     x = torch.randn(1 << 20, device="cuda")
