@@ -152,16 +152,16 @@ if _GLUON:
             hopper.fence_async_shared()
             mbarrier.arrive(full.index(buf))
     @gluon.jit
-    def _barriers():
+    def _barriers(PRODUCERS: gl.constexpr):
         """The partition's hand-overs (module docstring): full / empty / pfull per stage, pfree, done
-        (also sm90_model1.py's)."""
+        (also sm90_model1.py's, whose stage may be filled by two producer partitions)."""
         full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         pfree = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):
-            mbarrier.init(full.index(b), count=1)
+            mbarrier.init(full.index(b), count=PRODUCERS)
             mbarrier.init(empty.index(b), count=2)  # the score and the value warpgroups
             mbarrier.init(pfull.index(b), count=1)
         mbarrier.init(pfree, count=1)
@@ -358,7 +358,7 @@ if _GLUON:
         s_p3 = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], SH16)
         s_f = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], SH1)
         s_ok = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], SH1)
-        full, empty, pfull, pfree, done = _barriers()
+        full, empty, pfull, pfree, done = _barriers(1)
 
         n_blk = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BLOCK_N)
         p_idx = idx_ptr + i_t64 * stride_it

@@ -8,7 +8,8 @@ the sink applied once). The partition is the fp8_ds_mla Gluon kernel's (sm90.py)
 warpgroup gathers and converts a block of 64 keys into a shared stage, a score warpgroup computes
 the scores, the softmax and O[:, 0:256], a value warpgroup O[:, 256:512]. The producers are in
 sm90_model1_gather.py; at <= 64 heads it is `producer_roll` (`roll`): the same stages, with a
-block's gathers in flight while the previous block converts.
+block's gathers in flight while the previous block converts; at 128 heads two producer warpgroups
+(`producer`, PART 0 / 1) each gather and convert half of every block's keys.
 
 Arithmetic: a MODEL1 tile scale is a power of two (ue8m0), so each key is dequantized once, in the
 producer, to bf16 K = float(e4m3) * 2^(b - 127), exact (e4m3 has 4 significant bits; bf16 has
@@ -24,7 +25,7 @@ A NaN byte (e4m3 0x7f / 0xff) or a NaN scale byte (255) gives a NaN K element, a
 NaN row, as in every kernel (kernels/softmax.py).
 
 Shared memory: q [64, 512] bf16 64 KB + two K stages [64, 512] bf16 128 KB + P hi / lo [64, 64]
-bf16 16 KB = 209 KB: one program per SM, 12 warps. After the last block's scores the q buffer
+bf16 16 KB = 209 KB: one program per SM, 12 warps (16 with two producers). After the last block's scores the q buffer
 stages the output (`stage_out`: 16-byte stores of bf16 rows).
 """
 from __future__ import annotations
@@ -48,7 +49,8 @@ BLOCK_N = 64  # keys per block: the score wgmma's N
 NUM_WARPS = 4  # the score warpgroup (and prologue); the value and producer warpgroups are workers
 OCCUPANCY = 1  # programs per SM, for the split rule
 V_REGS = 160  # registers of the value warpgroup (O[:, 256:] alone is 128)
-P_REGS = 120  # registers of the producer (a block's 576 bytes a key in flight); the score warpgroup gets the rest (224)
+P_REGS = 120  # registers of the rolling producer (a block's 576 bytes a key in flight); the score warpgroup gets the rest
+P2_REGS = 64  # registers of each of the two half-block producers at 128 heads (score warpgroup: 224)
 
 
 def stage_out(H: int, num_splits: int) -> bool:
@@ -62,7 +64,9 @@ def roll(H: int) -> bool:
     """Whether the producer overlaps each block's gathers with half a block's conversion
     (`sm90_model1_gather.producer_roll`): at <= 64 heads (one head block), where the gathers bound the kernel; H200,
     2026-11-28: config 1 (H64) 0.0523 -> 0.0449 ms at 128 tokens, H16 0.0935 -> 0.0778 at 256; at
-    128 heads, where two programs gather each token's keys, 4-6 % slower (docs/notes/sparse_mla_decode.md)."""
+    128 heads, where two programs gather each token's keys, 4-6 % slower (docs/notes/sparse_mla_decode.md);
+    there two producers of half a block each take the stage (config 2 / 4 at 128 tokens 153.3 /
+    128.6 -> 148.7 / 119.8 us, H200, 2026-11-29; at 64 heads they lose to this one: 44.4 -> 52.7)."""
     return H <= BLOCK_H
 
 
@@ -80,6 +84,7 @@ def usable(q: torch.Tensor, cache: torch.Tensor, extra_cache=None) -> bool:
 if _GLUON:
     _V_REGS = gl.constexpr(V_REGS)
     _P_REGS = gl.constexpr(P_REGS)
+    _P2_REGS = gl.constexpr(P2_REGS)
 
     _finish_rows = gluon.jit(_dm.finish_rows.fn)
     _keep_faults = gluon.jit(_dm.keep_faults.fn)
@@ -277,20 +282,37 @@ if _GLUON:
         s_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], SH16)
         s_f = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], SH1)
         s_ok = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], SH1)
-        full, empty, pfull, pfree, done = _barriers()
+        full, empty, pfull, pfree, done = _barriers(1 if ROLL else 2)
 
         p_idx = idx_ptr + i_t64 * stride_it
         p_xidx = xidx_ptr + i_t64 * stride_xt
-        gl.warp_specialize(
-            [(_scores, (q_ptr, stride_qt, stride_qh, s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree,
-                        done, n_blk, qk_scale, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
-                        stride_ot, stride_oh, HAS_SINK, SPLIT, BLOCK_H, BLOCK_N, VT, STAGE_OUT)),
-             (_values, (s_q, s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
-                        out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
-                        SPLIT, BLOCK_H, VT, STAGE_OUT)),
-             (_gather.producer_roll if ROLL else _gather.producer,
-                         (cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
-                          num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
-                          s_k, s_ok, full, empty, HAS_EXTRA, BLOCK_N, TILE, NT, ROPE, REC, ROPE_OFF,
-                          SCALE_BYTES))],
-            [4, 4], [_V_REGS, _P_REGS])
+        if ROLL:
+            gl.warp_specialize(
+                [(_scores, (q_ptr, stride_qt, stride_qh, s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree,
+                            done, n_blk, qk_scale, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
+                            stride_ot, stride_oh, HAS_SINK, SPLIT, BLOCK_H, BLOCK_N, VT, STAGE_OUT)),
+                 (_values, (s_q, s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
+                            out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
+                            SPLIT, BLOCK_H, VT, STAGE_OUT)),
+                 (_gather.producer_roll, (cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
+                            num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
+                            s_k, s_ok, full, empty, HAS_EXTRA, BLOCK_N, TILE, NT, ROPE, REC, ROPE_OFF,
+                            SCALE_BYTES))],
+                [4, 4], [_V_REGS, _P_REGS])
+        else:  # two producers, each half of every block (sm90_model1_gather.py)
+            gl.warp_specialize(
+                [(_scores, (q_ptr, stride_qt, stride_qh, s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree,
+                            done, n_blk, qk_scale, sink_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS,
+                            stride_ot, stride_oh, HAS_SINK, SPLIT, BLOCK_H, BLOCK_N, VT, STAGE_OUT)),
+                 (_values, (s_q, s_k, s_p, s_f, empty, pfull, pfree, done, n_blk,
+                            out_ptr, po_ptr, i_t64, i_hb, i_s, H, NUM_SPLITS, stride_ot, stride_oh,
+                            SPLIT, BLOCK_H, VT, STAGE_OUT)),
+                 (_gather.producer, (cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
+                            num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
+                            s_k, s_ok, full, empty, HAS_EXTRA, BLOCK_N, TILE, NT, ROPE, REC, ROPE_OFF,
+                            SCALE_BYTES, 0)),
+                 (_gather.producer, (cache_ptr, p_idx, xcache_ptr, p_xidx, k_lo, m_hi, nm, x_lo, x_hi, n_blk,
+                            num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
+                            s_k, s_ok, full, empty, HAS_EXTRA, BLOCK_N, TILE, NT, ROPE, REC, ROPE_OFF,
+                            SCALE_BYTES, 1))],
+                [4, 4, 4], [_V_REGS, _P2_REGS, _P2_REGS])

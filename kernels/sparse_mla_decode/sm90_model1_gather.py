@@ -4,8 +4,11 @@ shared stage as bf16 K = float(e4m3) * 2^(b - 127) per 64-wide tile (exact, sm90
 docstring), the rope as it is, and each key's validity; then arrives on the stage's `full` barrier.
 
 Two producers with the same stages and hand-overs:
-- `producer`: block i's slot numbers, then all its bytes (16-byte loads into registers), then the
-  stage wait, the conversion and the stores: one block's gathers in flight, none while it converts;
+- `producer` (at 128 heads, two of them, PART 0 and 1): keys [32 PART, 32 PART + 32) of each block:
+  their slot numbers, then all their bytes (16-byte loads into registers), then the stage wait, the
+  conversion and the stores; each arrives on `full` (count 2). Two partitions of half a block
+  convert a block in about half the time one partition takes for all of it (the conversion's
+  issue slots bound 128 heads, where two programs per token each convert every key);
 - `producer_roll` (at <= 64 heads, `sm90_model1.roll`): the record as int32 words in two halves,
   each half's gathers in flight while the other half of the previous block converts.
 """
@@ -79,18 +82,21 @@ if _v32._GLUON:
                  num_slots, block_size, stride_cb, x_num_slots, x_block_size, stride_xb,
                  s_k, s_ok, full, empty, HAS_EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
                  TILE: gl.constexpr, NT: gl.constexpr, ROPE: gl.constexpr, REC: gl.constexpr, ROPE_OFF: gl.constexpr,
-                 SCALE_BYTES: gl.constexpr):
+                 SCALE_BYTES: gl.constexpr, PART: gl.constexpr):
+        HB: gl.constexpr = BLOCK_N // 2  # this partition's keys of a block: [PART * HB, PART * HB + HB)
         GB: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [keys, 64 bytes]
         GR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [keys, 64 bf16]
         GS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        o_nb = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GB))
-        o_nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GR))
-        o_ns = gl.arange(0, BLOCK_N, layout=GS)
+        o_nb = gl.arange(0, HB, layout=gl.SliceLayout(1, GB))
+        o_nr = gl.arange(0, HB, layout=gl.SliceLayout(1, GR))
+        o_ns = gl.arange(0, HB, layout=GS)
         o_b = gl.arange(0, TILE, layout=gl.SliceLayout(0, GB))
         o_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, GR))
         for i in range(n_blk):
             buf = i % 2
             p_i, n_in = _list_pos(i, nm, p_idx, p_xidx, k_lo, m_hi, x_lo, x_hi, HAS_EXTRA, BLOCK_N)
+            p_i = p_i + PART * HB
+            n_in = n_in - PART * HB
             c_ptr, slots, bs, scb = _geo(i, nm, cache_ptr, xcache_ptr, num_slots, block_size, stride_cb,
                                          x_num_slots, x_block_size, stride_xb, HAS_EXTRA)
             # the row numbers once in each load layout (cheaper than converting them: sm90.py)
@@ -118,7 +124,7 @@ if _v32._GLUON:
             s5 = gl.load(p_s + 5, mask=m_b, other=0)
             s6 = gl.load(p_s + 6, mask=m_b, other=0)
             mbarrier.wait(empty.index(buf), ((i // 2) & 1) ^ 1)
-            sk = s_k.index(buf)
+            sk = s_k.index(buf).slice(PART * HB, HB, dim=0)
             sk.slice(0 * TILE, TILE, dim=1).store(_dequant(x0, s0))
             sk.slice(1 * TILE, TILE, dim=1).store(_dequant(x1, s1))
             sk.slice(2 * TILE, TILE, dim=1).store(_dequant(x2, s2))
@@ -127,7 +133,7 @@ if _v32._GLUON:
             sk.slice(5 * TILE, TILE, dim=1).store(_dequant(x5, s5))
             sk.slice(6 * TILE, TILE, dim=1).store(_dequant(x6, s6))
             sk.slice(NT * TILE, ROPE, dim=1).store(xr)
-            s_ok.index(buf).store(m_s.to(gl.int8))
+            s_ok.index(buf).slice(PART * HB, HB).store(m_s.to(gl.int8))
             hopper.fence_async_shared()
             mbarrier.arrive(full.index(buf))
 

@@ -248,7 +248,9 @@ def test_sm90_model1_kernel_compiles(extra, split, roll):
     bytes, the score warpgroup at 216 (producer 128) 16. Unsplit rows at > 32 heads store their
     bf16 output through shared memory (STAGE_OUT): 16-byte stores, none without it. At <= 64 heads
     the producer is `sm90_model1_gather.producer_roll` (ROLL): the rows as int32 words, converted by
-    inline PTX, no more stack than the other producer."""
+    inline PTX, no more stack than the other producer. At 128 heads (not ROLL) two producers of half
+    a block at 64 registers each (score 224 / value 160 / 64 / 64) keep a few loop-invariant words
+    of their list position on the stack (SASS, 2026-11-29): 16 bytes, 32 with the extra cache."""
     got = compile_gluon_sm90(
         "openmla.kernels.sparse_mla_decode.sm90_model1", "sparse_mla_decode_sm90_model1_kernel",
         dict(E4M3=True, HAS_LEN=True, HAS_EXTRA=extra, HAS_XLEN=extra, HAS_SINK=True, SPLIT=split,
@@ -260,7 +262,8 @@ def test_sm90_model1_kernel_compiles(extra, split, roll):
         named_ptrs=dict(stride_ot="i32", stride_oh="i32"))
     # unsplit rows: 0 or 16 bytes of stack by the flags, with the direct stores as with the staged
     # ones (HAS_LEN False / True: 16 / 0 direct, 0 / 16 staged; ptxas at the register split's edge)
-    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= (8 * extra if split else 16), got
+    stack = (8 * extra if split else 16) if roll else 16 + 16 * extra
+    assert got["shared"] <= 227 * 1024 and got["regs"] <= 255 and got["stack"] <= stack, got
     # wgmma; 16-byte gathers into registers (the bytes are converted before they reach shared memory)
     assert got["hgmma"] > 0 and got["ldg128"] > 0 and got["ldgsts"] == 0, got
     assert (got["stg128"] > 0) == (not split), got
