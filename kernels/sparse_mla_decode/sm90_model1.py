@@ -25,8 +25,8 @@ A NaN byte (e4m3 0x7f / 0xff) or a NaN scale byte (255) gives a NaN K element, a
 NaN row, as in every kernel (kernels/softmax.py).
 
 Shared memory: q [64, 512] bf16 64 KB + two K stages [64, 512] bf16 128 KB + P hi / lo [64, 64]
-bf16 16 KB = 209 KB: one program per SM, 12 warps (16 with two producers). After the last block's scores the q buffer
-stages the output (`stage_out`: 16-byte stores of bf16 rows).
+bf16 16 KB = 209 KB: one program per SM, 12 warps (16 with two producers). After the last block's
+scores the q buffer stages the output (`stage_out`: 16-byte stores of bf16 rows).
 """
 from __future__ import annotations
 
