@@ -49,7 +49,9 @@ BLOCK_N = 64  # keys per block: the score wgmma's N
 NUM_WARPS = 4  # the score warpgroup (and prologue); the value and producer warpgroups are workers
 OCCUPANCY = 1  # programs per SM, for the split rule
 V_REGS = 160  # registers of the value warpgroup (O[:, 256:] alone is 128)
-P_REGS = 120  # registers of the rolling producer (a block's 576 bytes a key in flight); the score warpgroup gets the rest
+# registers of the rolling producer (a block's 576 bytes a key in flight; the score warpgroup gets
+# the rest)
+P_REGS = 120
 P2_REGS = 64  # registers of each of the two half-block producers at 128 heads (score warpgroup: 224)
 
 
