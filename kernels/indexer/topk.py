@@ -56,7 +56,13 @@ _RANK_CHUNK = tl.constexpr(32)
 # that stage reads the row again (correct for any row; slower for rows of many equal keys).
 _CANDIDATES = 2048
 _PROGRAMS_PER_SM = 8
-_SPLIT_BLOCK = 1024
+# Split rows (see _split): one-wave grids take parts of one block, the smallest of these sizes
+# that keeps one wave, preferring parts that number at most _ONE_WAVE_PARTS a row; larger grids
+# take parts of whole _PART_UNIT columns walked in blocks of _SPLIT_BLOCK.
+_ONE_WAVE_BLOCKS = (256, 512, 1024)
+_ONE_WAVE_PARTS = 32
+_PART_UNIT = 1024
+_SPLIT_BLOCK = 512
 _SPLIT_MIN_COLUMNS = 8192
 # Warps of the program that ranks the K-th key's bucket in the split path (its own launch, or the
 # write launch when that also finishes the row)
@@ -226,7 +232,8 @@ def _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, s
         # one scan ranks both: keys above in the low 16 bits, the bucket's in the high
         both = tl.cumsum(m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16), axis=0)
         tl.store(p_out + n_gt + (both & 0xFFFF) - 1, col, mask=m_gt)
-        n_gt += tl.sum(m_gt.to(tl.int32), axis=0)
+        tot = tl.max(both, axis=0)  # the scan's last value: both counts, one reduction
+        n_gt += tot & 0xFFFF
         if TO != 0:
             r_eq = n_eq + (both >> 16) - 1
             if TO == 1:
@@ -234,7 +241,7 @@ def _bucket_write(p_row, p_out, p_cand, CAND, lo_c, hi_c, start, t, k_max, lo, s
             else:
                 tl.store(p_cand + r_eq, col, mask=m_eq)
                 tl.store(p_cand + CAND + r_eq, key.to(tl.int32, bitcast=True), mask=m_eq)
-            n_eq += tl.sum(m_eq.to(tl.int32), axis=0)
+            n_eq += tot >> 16
 
 
 @triton.jit
@@ -519,16 +526,26 @@ def _check_k(k) -> int:
     return k
 
 
-def _row_programs(device, R: int, L: int, k: int) -> int:
-    """Programs per row. Rows of at least _SPLIT_MIN_COLUMNS: enough parts of whole blocks to fill
-    the GPU (one when the rows fill it). Shorter rows: a part a block when that grid is one wave
-    (its launches then overlap under programmatic dependent launch and the write launch finishes
-    the rows), else one program; parts of several blocks, or a second wave, were slower than one
-    program there (docs/notes/indexer.md). Rows no longer than k take one program (no selection)."""
-    blocks = cdiv(L, _SPLIT_BLOCK)
+def _split(device, R: int, L: int, k: int):
+    """(programs per row, columns a pass step) for rows of L columns; one program (and the
+    caller's block) when rows are not split.
+    - A grid of one wave (rows x parts <= SMs) is possible: parts of one block each (its launches
+      then overlap under programmatic dependent launch and the write launch finishes the rows),
+      the smallest of _ONE_WAVE_BLOCKS that keeps one wave with at most _ONE_WAVE_PARTS parts a
+      row, else the smallest that keeps one wave.
+    - Else rows of at least _SPLIT_MIN_COLUMNS: enough parts of whole _PART_UNIT columns to fill
+      the GPU _PROGRAMS_PER_SM times (one when the rows fill it), walked in _SPLIT_BLOCK steps.
+    - Else one program a row (parts of several blocks, or a second wave, were slower there).
+    Rows no longer than k or than _PART_UNIT take one program. Measured: docs/notes/indexer.md."""
+    sms = num_sms(device)
+    if L > k and L > _PART_UNIT:
+        fits = [b for b in _ONE_WAVE_BLOCKS if R * cdiv(L, b) <= sms]
+        if fits:
+            b = next((b for b in fits if cdiv(L, b) <= _ONE_WAVE_PARTS), fits[0])
+            return cdiv(L, b), b
     if L < _SPLIT_MIN_COLUMNS:
-        return blocks if L > k and R * blocks <= num_sms(device) else 1
-    return max(1, min(blocks, cdiv(_PROGRAMS_PER_SM * num_sms(device), R)))
+        return 1, None
+    return max(1, min(cdiv(L, _PART_UNIT), cdiv(_PROGRAMS_PER_SM * sms, R))), _SPLIT_BLOCK
 
 
 def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block, row_programs):
@@ -547,7 +564,10 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
         logits = logits.contiguous()
     starts_arg = starts if starts is not None else ends
     block_k = min(1024, next_pow2(k))
-    P = row_programs if row_programs is not None else _row_programs(logits.device, R, L, k)
+    if row_programs is not None:
+        P, split_block = row_programs, _PART_UNIT
+    else:
+        P, split_block = _split(logits.device, R, L, k)
     cand_len = max(1, min(L, _CANDIDATES))
     cand = torch.empty(R, 2, cand_len, dtype=torch.int32, device=logits.device)
     common = dict(ROW_ENDS=row_ends, HAS_STARTS=starts is not None, NBINS=_BUCKETS)
@@ -567,7 +587,7 @@ def _launch(logits, k, out, ends, starts, stride_end_b, next_n, row_ends, block,
     one_wave = R * P <= num_sms(logits.device)
     arch = arch_of(logits.device)
     pdl = one_wave and arch.ptx and arch.arch >= 90
-    common.update(BLOCK=min(block, _SPLIT_BLOCK), num_warps=4)
+    common.update(BLOCK=min(block, split_block), num_warps=4)
     staged = dict(common, PDL=pdl, **(dict(launch_pdl=True) if pdl else {}))
     block_p = next_pow2(P)
     stats = torch.empty(R, P, 3, dtype=torch.int32, device=logits.device)
@@ -605,9 +625,9 @@ def topk_per_row(logits: torch.Tensor, ends: torch.Tensor, k: int, *, starts: to
         out: optional [R, k] int32 with a contiguous last dim (a slice of vLLM's
             topk_indices_buffer is fine).
         block: columns per pass step (a power of two; at most 1024 when rows are split).
-        row_programs: programs per row (None: `_row_programs`' rule: one when the rows fill the
-            GPU, else parts of whole blocks that fill it; rows below _SPLIT_MIN_COLUMNS split only
-            into one-block parts of a one-wave grid). The result does not depend on it.
+        row_programs: programs per row (None: `_split`'s rule: parts of one block when the grid
+            can be one wave, else for rows of at least _SPLIT_MIN_COLUMNS parts that fill the GPU,
+            else one). The result does not depend on it.
 
     Returns [R, k] int32: rows with end - start <= k list 0 .. n-1 then -1; longer rows hold the
     columns (minus start) of their k largest logits, NaN ranking above +inf, ties in column order.

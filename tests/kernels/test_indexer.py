@@ -284,21 +284,26 @@ def test_topk_per_row(k, row_programs):
     _check_topk(got, x, ends, k, starts)
 
 
-def test_topk_row_programs_rule():
-    """The default parts a row (host rule): rows below _SPLIT_MIN_COLUMNS split into one-block parts
-    only when that grid is one wave and the rows are longer than k; longer rows fill the GPU."""
-    from openmla.kernels.indexer.topk import (_PROGRAMS_PER_SM, _SPLIT_BLOCK, _SPLIT_MIN_COLUMNS,
-                                              _row_programs)
-    sms, short = num_sms(DEVICE), _SPLIT_MIN_COLUMNS // 2
-    blocks = short // _SPLIT_BLOCK
-    assert _row_programs(DEVICE, 1, short, 2048) == blocks
-    assert _row_programs(DEVICE, sms // blocks, short, 2048) == blocks
-    assert _row_programs(DEVICE, sms // blocks + 1, short, 2048) == 1  # a second wave
-    assert _row_programs(DEVICE, 1, short, short) == 1  # no selection: every column is taken
-    assert _row_programs(DEVICE, 1, _SPLIT_BLOCK + 1, 2) == 2
-    long = _SPLIT_MIN_COLUMNS * 8
-    assert _row_programs(DEVICE, 1, long, 2048) == min(long // _SPLIT_BLOCK, _PROGRAMS_PER_SM * sms)
-    assert _row_programs(DEVICE, 10 ** 6, long, 2048) == 1
+@pytest.mark.parametrize("R, L, k, want", [
+    (1, 4096, 2048, (16, 256)),  # one wave: the smallest block whose parts number <= 32 a row
+    (8, 4096, 2048, (16, 256)),
+    (33, 4096, 2048, (4, 1024)),  # 256 and 512 would need a second wave
+    (1, 16384, 2048, (32, 512)),
+    (2, 16384, 2048, (32, 512)),
+    (8, 16384, 2048, (16, 1024)),
+    (1, 65536, 2048, (128, 512)),  # no block gives <= 32 parts in one wave: the smallest in one wave
+    (16, 16384, 2048, (16, 512)),  # past one wave: parts of 1024 columns, 512-column steps
+    (64, 65536, 2048, (17, 512)),  # ... filling the GPU 8 times
+    (10 ** 6, 65536, 2048, (1, 512)),
+    (64, 4096, 2048, (1, None)),  # short rows past one wave: one program
+    (1, 4096, 4096, (1, None)),  # no selection: every column is taken
+    (1, 1024, 2, (1, None)),  # rows of at most 1024 columns: one program
+])
+def test_topk_split_rule(monkeypatch, R, L, k, want):
+    """The default split (host rule), on a GPU of 132 SMs (the H200's, where it was measured)."""
+    from openmla.kernels.indexer import topk as topk_module
+    monkeypatch.setattr(topk_module, "num_sms", lambda device: 132)
+    assert topk_module._split(DEVICE, R, L, k) == want
 
 
 @pytest.mark.parametrize("k", [5, 300])
