@@ -90,6 +90,7 @@ PAGED = [
     pytest.param([9, 3, 0, 20], 3, 16, 4, None, id="B4-n3-H16-bs4-len0"),
     pytest.param([40, 7], 2, 64, 8, [[40, 38], [7, 7]], id="B2-n2-per-row-lens"),
     pytest.param([50], 4, 32, 1, None, id="B1-n4-H32-bs1"),
+    pytest.param([20, 1, 33, 16, 0, 5, 64, 17], 1, 64, 16, None, id="B8-n1-H64-bs16"),  # q by TMA on sm_90
 ]
 
 
@@ -168,9 +169,10 @@ def test_paged_logits_tma_pages(ctx, next_n, H, bs, per_row):
     """sm_90's TMA path (a tile is a page: its keys by a tensor descriptor, its scales by pointer
     for one-row requests and by a second descriptor for several) in the interpreter, on the PAGED
     cases whose page can be a TMA box, incl. invalid pages, a key fault and a block stride that is
-    not a multiple of 16 (the pointer path then)."""
+    not a multiple of 16 (the pointer path then). Batches of 8 query rows take the query block by
+    TMA too."""
     from openmla.kernels.device import ARCHES, assume
-    from openmla.kernels.indexer.paged_mqa_logits import _tma_ok
+    from openmla.kernels.indexer.paged_mqa_logits import _query_descriptor, _tma_ok
     bad = [(0, 1, -1), (len(ctx) - 1, 0, INT32_MAX)]
     q, w, cache, table = _paged_batch(ctx, next_n, H, bs, seed=31 + bs, bad_pages=bad, pad_bytes=16)
     vals, _ = INDEXER_K_FP8.read_ref(cache)
@@ -180,6 +182,7 @@ def test_paged_logits_tma_pages(ctx, next_n, H, bs, per_row):
     want = paged_mqa_logits_ref(q, w, cache, cl, table, max_model_len=max_len)
     bound = _paged_bound(q, w, cache, cl, table, max_len)
     assert _tma_ok(ARCHES["sm_90"], True, cache)
+    assert (_query_descriptor(q, True) is not None) == (len(ctx) * next_n >= 8)
     with assume(ARCHES["sm_90"]):
         got = paged_mqa_logits(q, w, cache, cl, table, max_model_len=max_len)
     assert_logits("logits", got, want, bound)
