@@ -61,7 +61,8 @@ def paged_mqa_logits_kernel(
     b_q, b_w = load_query_block(q_ptr + i_b * stride_qb, w_ptr + i_b * N * stride_wr,
                                 o_j.to(tl.int64), m_j, stride_qn, stride_qh, stride_wr, H,
                                 NP, HP, D, FP8_DOT, E4M3)
-    if Q_TMA:  # the request's rows are the box's NP * HP rows (no padding): see _query_descriptor
+    if Q_TMA:  # the request's rows are the box's NP * HP rows (no padding): see _query_descriptor;
+        # the pointer load of b_q above is then unused, and the compiler drops it
         b_q = q_desc.load([(i_b * (NP * HP)).to(tl.int32), 0])
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, D)
@@ -152,9 +153,9 @@ def _page_descriptors(cache: torch.Tensor, D: int):
 def _query_descriptor(q: torch.Tensor, fp8: bool):
     """A TMA descriptor over q as [B * next_n * H, D] rows, one request's rows a box, when they are
     the kernel's query block exactly (next_n and H powers of two, 16 to 256 rows: a dot's least
-    and a box's most), q is contiguous and 16-byte aligned, and the batch has at least 8 query rows; else
-    None (the pointer load). H200, 2026-11-30: 1-4.5 % faster from 8 rows, 0.1 us slower at one
-    (docs/notes/indexer.md)."""
+    and a box's most), q is contiguous and 16-byte aligned, and the batch has at least 8 query
+    rows; else None (the pointer load). H200, 2026-11-30: 1-4.5 % faster from 8 rows, 0.1 us
+    slower at one (docs/notes/indexer.md)."""
     B, N, H, D = q.shape
     if (B * N < 8 or N & (N - 1) or H & (H - 1) or not 16 <= N * H <= 256 or not q.is_contiguous()
             or q.data_ptr() % 16):
@@ -244,8 +245,7 @@ def paged_mqa_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
         block_table.stride(0), out.stride(0),
         N, H, cache.shape[1], cache.shape[0], block_table.shape[1], max_model_len, splits,
         NP=NP, HP=HP, D=D, BLOCK_N=block_n, PER_ROW_CTX=per_row, CLEAN=clean_logits,
-        FP8_DOT=fp8, E4M3=arch.e4m3, TMA=tma, ACC_STEP=_ACC_STEP, SCALE_TMA=N > 1, Q_TMA=q_desc is not None,
-        num_warps=4,
-        num_stages=stages,
+        FP8_DOT=fp8, E4M3=arch.e4m3, TMA=tma, ACC_STEP=_ACC_STEP, SCALE_TMA=N > 1,
+        Q_TMA=q_desc is not None, num_warps=4, num_stages=stages,
     )
     return out

@@ -289,7 +289,8 @@ if _GLUON:
         p_idx = idx_ptr + i_t64 * stride_it
         p_xidx = xidx_ptr + i_t64 * stride_xt
         # the partition lists are written out twice: a Gluon kernel cannot hold a (function, args)
-        # pair in a variable, and the producers' count differs
+        # pair in a variable, nor an argument tuple (its constexprs then arrive as values: tried,
+        # _scores' gl.arange fails), and the producers' count differs
         if ROLL:
             gl.warp_specialize(
                 [(_scores, (q_ptr, stride_qt, stride_qh, s_q, s_k, s_ok, s_p, s_f, full, empty, pfull, pfree,
